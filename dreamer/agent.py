@@ -1,0 +1,425 @@
+"""The DreamerV3 agent: world model, actor, critic, losses and the acting policy, from torchrl modules.
+
+Replay layout (one record per env step, the reference implementation's order):
+
+    record t:  state = z[t-1], belief = h[t-1], action = a[t-1], is_init = first step of an episode
+               next:  <observations at t>, reward r[t], done / terminated at t
+
+so the RSSM rollout of torchrl (prior on the root keys, posterior on the `next` observation) computes
+h[t] = f(z[t-1], h[t-1], a[t-1]) and z[t] ~ q(h[t], embed(o[t])), and zeroes the carry where is_init is
+set, exactly as the acting policy does. The refreshed posterior of record t is the context of record t+1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import (
+    InteractionType,
+    ProbabilisticTensorDictModule,
+    ProbabilisticTensorDictSequential,
+    TensorDictModule,
+    TensorDictModuleBase,
+    TensorDictSequential,
+)
+from torch import nn
+from torchrl.data import Composite, TensorSpec, Unbounded
+from torchrl.envs.model_based.dreamer import DreamerEnv
+from torchrl.modules import (
+    DreamerV3DiscreteActor,
+    DreamerV3ImageDecoder,
+    DreamerV3ImageEncoder,
+    DreamerV3MLP,
+    RSSMStateEstimatorV3,
+    SymExpTwoHot,
+    WorldModelWrapper,
+)
+from torchrl.modules.distributions.continuous import IndependentNormal
+from torchrl.modules.models.model_based import RSSMPosteriorV3, RSSMPriorV3, RSSMRolloutV3
+from torchrl.objectives import (
+    DreamerV3ActorLoss,
+    DreamerV3Loss,
+    DreamerV3ModelLoss,
+    DreamerV3ValueLoss,
+    SoftUpdate,
+    symexp,
+    symlog,
+)
+from torchrl.objectives.utils import ValueEstimators
+
+IMAGE_KEY = "pixels"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Network dimensions (the reference's names) and layer counts."""
+
+    deter: int
+    hidden: int
+    stoch: int
+    classes: int
+    depth: int
+    units: int
+    blocks: int = 8
+    enc_layers: int = 3
+    dec_layers: int = 3
+    head_layers: int = 1
+    actor_layers: int = 3
+    critic_layers: int = 3
+    imag_layers: int = 2
+    obs_layers: int = 1
+    dyn_layers: int = 1
+    recurrent: str = "block_gru"
+    unimix: float = 0.01
+    bins: int = 255
+    mults: tuple[int, ...] = (2, 3, 4, 4)
+    kernel: int = 5
+
+    @property
+    def latent(self) -> int:
+        return self.stoch * self.classes
+
+    @property
+    def feature(self) -> int:
+        return self.latent + self.deter
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    horizon: float = 333.0
+    imag_length: int = 15
+    lmbda: float = 0.95
+    entropy: float = 3e-4
+    kl_dynamic: float = 1.0
+    kl_representation: float = 0.1
+    free_nats: float = 1.0
+    replay_value: float = 0.3
+    slow_critic: float = 1.0
+    slow_critic_tau: float = 0.02
+    return_norm_rate: float = 0.01
+
+
+@dataclass(frozen=True)
+class EnvLayout:
+    """What the networks need to know about an environment."""
+
+    vector_keys: tuple[str, ...]  # flat float observations, concatenated in this order
+    vector_dim: int
+    image_shape: tuple[int, int, int] | None  # (C, H, W) uint8 under IMAGE_KEY
+    action_dim: int
+    discrete: bool
+
+    @classmethod
+    def from_specs(cls, observation_spec: Composite, action_spec: TensorSpec) -> EnvLayout:
+        vector_keys, vector_dim, image_shape = [], 0, None
+        for key in sorted(observation_spec.keys()):
+            spec = observation_spec[key]
+            if key == IMAGE_KEY:
+                image_shape = tuple(spec.shape[-3:])
+            elif spec.dtype.is_floating_point and spec.ndim == 1:
+                vector_keys.append(key)
+                vector_dim += spec.shape[-1]
+        if not vector_keys and image_shape is None:
+            raise ValueError(
+                f"the environment has no usable observation: expected '{IMAGE_KEY}' [C, H, W] or flat float "
+                f"vectors, got {list(observation_spec.keys())}"
+            )
+        discrete = "OneHot" in type(action_spec).__name__
+        return cls(tuple(vector_keys), vector_dim, image_shape, int(action_spec.shape[-1]), discrete)
+
+
+class Encoder(nn.Module):
+    """Symlog MLP for the vector observations and the DreamerV3 CNN for the image; embeddings concatenated."""
+
+    def __init__(self, layout: EnvLayout, size: ModelSize):
+        super().__init__()
+        self.mlp = (
+            DreamerV3MLP(layout.vector_dim, None, depth=size.enc_layers, num_cells=size.units)
+            if layout.vector_keys
+            else None
+        )
+        self.cnn = None
+        self.out_features = size.units if self.mlp is not None else 0
+        if layout.image_shape is not None:
+            self.cnn = DreamerV3ImageEncoder(
+                layout.image_shape[0], depth=size.depth, mults=tuple(size.mults), kernel_size=size.kernel
+            )
+            self.out_features += self.cnn.output_features(layout.image_shape)
+
+    def forward(self, *observations: torch.Tensor) -> torch.Tensor:
+        # Argument order: the vector keys, then the image (when present).
+        parts = []
+        if self.mlp is not None:
+            vectors = observations[: len(observations) - (self.cnn is not None)]
+            parts.append(self.mlp(symlog(torch.cat([v.float() for v in vectors], -1))))
+        if self.cnn is not None:
+            parts.append(self.cnn(observations[-1]))
+        return torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+
+
+class VectorDecoder(nn.Module):
+    """Predicts the vector observations in symlog space; returned in raw space for the symlog loss."""
+
+    def __init__(self, layout: EnvLayout, size: ModelSize):
+        super().__init__()
+        self.mlp = DreamerV3MLP(size.feature, layout.vector_dim, depth=size.dec_layers, num_cells=size.units)
+
+    def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
+        return symexp(self.mlp(state, belief).float())
+
+
+class ImageDecoder(nn.Module):
+    def __init__(self, layout: EnvLayout, size: ModelSize):
+        super().__init__()
+        self.net = DreamerV3ImageDecoder(
+            size.feature,
+            image_shape=layout.image_shape,
+            depth=size.depth,
+            mults=tuple(size.mults),
+            kernel_size=size.kernel,
+            num_blocks=size.blocks,
+        )
+
+    def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
+        return self.net(state, belief).float()
+
+
+class Head(nn.Module):
+    """MLP on (state, belief) with float32 output; `outscale=0` starts reward and value at zero."""
+
+    def __init__(self, size: ModelSize, out: int, layers: int, outscale: float = 1.0):
+        super().__init__()
+        self.mlp = DreamerV3MLP(size.feature, out, depth=layers, num_cells=size.units, outscale=outscale)
+
+    def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
+        return self.mlp(state, belief).float()
+
+
+class ContinuousActor(nn.Module):
+    """Normal policy, mean squashed by tanh and std bounded to [0.1, 1] (the reference's bounded normal)."""
+
+    def __init__(self, size: ModelSize, action_dim: int, min_std: float = 0.1, max_std: float = 1.0):
+        super().__init__()
+        self.mlp = DreamerV3MLP(size.feature, 2 * action_dim, depth=size.actor_layers, num_cells=size.units)
+        with torch.no_grad():
+            self.mlp.model[-1].weight.mul_(0.01)
+        self.min_std, self.max_std = min_std, max_std
+
+    def forward(self, state: torch.Tensor, belief: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, std = self.mlp(state, belief).float().chunk(2, -1)
+        std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
+        return mean.tanh(), std
+
+
+def _observation_keys(layout: EnvLayout, prefix: tuple[str, ...] = ()) -> list:
+    keys = list(layout.vector_keys) + ([IMAGE_KEY] if layout.image_shape is not None else [])
+    return [(*prefix, key) if prefix else key for key in keys]
+
+
+class ActingPolicy(TensorDictModuleBase):
+    """The policy that acts in the real environments.
+
+    Reads a record's root carry (state, belief, previous action, is_init) and its `next` observations,
+    writes the posterior ("policy", "state" / "belief") and the action ("policy", "action"). It shares
+    every parameter with the trained world model and actor.
+    """
+
+    def __init__(self, encoder: TensorDictModule, estimator: RSSMStateEstimatorV3, actor: TensorDictModuleBase):
+        super().__init__()
+        self.encoder = encoder
+        self.estimator = estimator
+        self.actor = actor
+        self.in_keys = [*encoder.in_keys, "state", "belief", "action", "is_init"]
+        self.out_keys = [("policy", "state"), ("policy", "belief"), ("policy", "action")]
+
+    @torch.no_grad()
+    def forward(self, record: TensorDictBase) -> TensorDictBase:
+        work = record.select(*self.in_keys, strict=True).copy()
+        work.rename_key_("action", "previous_action")
+        self.encoder(work)
+        work.set("encoded_latents", work.get(("next", "encoded_latents")))
+        self.estimator(work)
+        self.actor(work)
+        record.set("policy", work.select("state", "belief", "action"))
+        return record
+
+
+@dataclass
+class Agent:
+    layout: EnvLayout
+    size: ModelSize
+    world_model: TensorDictSequential
+    actor: TensorDictModuleBase
+    critic: TensorDictSequential
+    loss: DreamerV3Loss
+    slow_critic: SoftUpdate
+    policy: ActingPolicy
+
+    def to(self, device: torch.device) -> Agent:
+        self.loss.to(device)
+        self.loss.actor_loss.model_based_env.to(device)
+        return self
+
+
+def _module(net: nn.Module, in_keys: list, out_keys: list) -> TensorDictModule:
+    return TensorDictModule(net, in_keys=in_keys, out_keys=out_keys)
+
+
+def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:
+    """Builds networks and losses on the current default device, in float32."""
+    features = [("next", "state"), ("next", "belief")]
+
+    # World model: encoder -> RSSM rollout -> decoders, reward and continue heads.
+    encoder = Encoder(layout, size)
+    prior = RSSMPriorV3(
+        hidden_dim=size.hidden,
+        rnn_hidden_dim=size.deter,
+        num_categoricals=size.stoch,
+        num_classes=size.classes,
+        action_dim=layout.action_dim,
+        action_shape=(layout.action_dim,),
+        recurrent_model=size.recurrent,
+        num_blocks=size.blocks,
+        num_layers=size.dyn_layers,
+        prior_num_layers=size.imag_layers,
+        unimix=size.unimix,
+    )
+    posterior = RSSMPosteriorV3(
+        hidden_dim=size.hidden,
+        num_categoricals=size.stoch,
+        num_classes=size.classes,
+        rnn_hidden_dim=size.deter,
+        obs_embed_dim=encoder.out_features,
+        use_rms_norm=True,
+        num_layers=size.obs_layers,
+        unimix=size.unimix,
+    )
+    rollout = RSSMRolloutV3(
+        _module(prior, ["state", "belief", "action"], [("next", "prior_logits"), ("next", "state"), ("next", "belief")]),
+        _module(posterior, [("next", "belief"), ("next", "encoded_latents")], [("next", "posterior_logits"), ("next", "state")]),
+        reset_key="is_init",
+    )
+    reward_net = Head(size, size.bins, size.head_layers, outscale=0.0)
+    continue_net = Head(size, 1, size.head_layers)
+    reward_decoder = SymExpTwoHot(size.bins)
+    parts = [
+        _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")]),
+        rollout,
+    ]
+    targets, predictions, use_symlog = [], [], []
+    if layout.vector_keys:
+        parts.append(_module(VectorDecoder(layout, size), features, [("next", "reco_vector")]))
+        # The loss compares each vector key with its slice of the prediction.
+        targets.append("vector_target")
+        predictions.append("reco_vector")
+        use_symlog.append(True)
+    if layout.image_shape is not None:
+        parts.append(_module(ImageDecoder(layout, size), features, [("next", "reco_pixels")]))
+        targets.append(IMAGE_KEY)
+        predictions.append("reco_pixels")
+        use_symlog.append(False)
+    parts += [
+        _module(reward_net, features, [("next", "reward_logits")]),
+        _module(reward_decoder, [("next", "reward_logits")], [("next", "reward")]),
+        _module(continue_net, features, [("next", "continue_pred")]),
+    ]
+    if layout.vector_keys:
+        parts.insert(0, _module(_Concat(), [("next", k) for k in layout.vector_keys], [("next", "vector_target")]))
+    world_model = TensorDictSequential(*parts)
+
+    # Imagination: the same prior, reward and continue networks on flat (state, belief).
+    imagination = WorldModelWrapper(
+        _module(prior, ["state", "belief", "action"], ["_", "state", "belief"]),
+        TensorDictSequential(
+            _module(reward_net, ["state", "belief"], ["reward_logits"]),
+            _module(reward_decoder, ["reward_logits"], ["reward"]),
+        ),
+    )
+    continuation = TensorDictSequential(
+        _module(continue_net, ["state", "belief"], ["continue_logits"]),
+        _module(nn.Sigmoid(), ["continue_logits"], ["continuation"]),
+    )
+    dream = DreamerEnv(imagination, prior_shape=torch.Size([size.latent]), belief_shape=torch.Size([size.deter]))
+    dream.observation_spec = Composite(state=Unbounded(size.latent), belief=Unbounded(size.deter))
+    dream.state_spec = dream.observation_spec.clone()
+    dream.action_spec = Unbounded(layout.action_dim)
+    dream.reward_spec = Unbounded(1)
+
+    if layout.discrete:
+        actor = DreamerV3DiscreteActor(
+            size.feature, layout.action_dim, depth=size.actor_layers, num_cells=size.units, unimix=size.unimix
+        )
+    else:
+        actor = ProbabilisticTensorDictSequential(
+            _module(ContinuousActor(size, layout.action_dim), ["state", "belief"], ["loc", "scale"]),
+            ProbabilisticTensorDictModule(
+                in_keys=["loc", "scale"],
+                out_keys=["action"],
+                distribution_class=IndependentNormal,
+                default_interaction_type=InteractionType.RANDOM,
+                return_log_prob=True,
+                log_prob_key="action_log_prob",
+            ),
+        )
+    critic = TensorDictSequential(
+        _module(Head(size, size.bins, size.critic_layers, outscale=0.0), ["state", "belief"], ["state_value_logits"]),
+        _module(SymExpTwoHot(size.bins), ["state_value_logits"], ["state_value"]),
+    )
+
+    model_loss = DreamerV3ModelLoss(
+        world_model,
+        lambda_continue=1.0,
+        kl_mode="separate",
+        lambda_dynamic=loss.kl_dynamic,
+        lambda_representation=loss.kl_representation,
+        unimix=size.unimix,
+        free_bits=loss.free_nats,
+        reco_symlog=use_symlog,
+        num_reward_bins=size.bins,
+        detach_output=False,
+    )
+    model_loss.set_keys(pixels=targets, reco_pixels=predictions)
+    actor_loss = DreamerV3ActorLoss(
+        actor,
+        critic,
+        dream,
+        continuation_model=continuation,
+        imagination_horizon=loss.imag_length,
+        entropy_bonus=loss.entropy,
+        # The reference trains both discrete and continuous actors with REINFORCE.
+        use_reinforce=True,
+        return_normalization_rate=loss.return_norm_rate,
+    )
+    actor_loss.make_value_estimator(ValueEstimators.TDLambda, gamma=1.0 - 1.0 / loss.horizon, lmbda=loss.lmbda)
+    value_loss = DreamerV3ValueLoss(
+        critic,
+        value_loss="two_hot",
+        num_value_bins=size.bins,
+        actor_loss=actor_loss,
+        slow_critic_regularization=loss.slow_critic,
+    )
+    full_loss = DreamerV3Loss(
+        model_loss,
+        actor_loss,
+        value_loss,
+        replay_value_loss_weight=loss.replay_value,
+        continuation_horizon=loss.horizon,
+        lmbda=loss.lmbda,
+    )
+    slow_critic = SoftUpdate(value_loss, tau=loss.slow_critic_tau)
+
+    acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
+    policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
+    return Agent(layout, size, world_model, actor, critic, full_loss, slow_critic, policy)
+
+
+class _Concat(nn.Module):
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.float() for t in tensors], -1) if len(tensors) > 1 else tensors[0].float()
+
+
+def parameter_count(agent: Agent) -> int:
+    """Trainable parameters of world model, actor and critic (the slow critic's copy excluded)."""
+    return sum(p.numel() for p in agent.loss.parameters())
