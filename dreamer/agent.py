@@ -250,12 +250,13 @@ class ActingPolicy(TensorDictModuleBase):
 class Agent:
     layout: EnvLayout
     size: ModelSize
-    world_model: TensorDictSequential
-    actor: TensorDictModuleBase
-    critic: TensorDictSequential
+    networks: Networks
     loss: DreamerV3Loss
     slow_critic: SoftUpdate
-    policy: ActingPolicy
+
+    @property
+    def policy(self) -> ActingPolicy:
+        return self.networks.policy
 
     def to(self, device: torch.device) -> Agent:
         self.loss.to(device)
@@ -267,8 +268,26 @@ def _module(net: nn.Module, in_keys: list, out_keys: list) -> TensorDictModule:
     return TensorDictModule(net, in_keys=in_keys, out_keys=out_keys)
 
 
-def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:
-    """Builds networks and losses on the current default device, in float32."""
+@dataclass
+class Networks:
+    """Every parameter of the agent, wired as torchrl modules (no losses yet)."""
+
+    world_model: TensorDictSequential
+    imagination: DreamerEnv
+    continuation: TensorDictSequential
+    actor: TensorDictModuleBase
+    critic: TensorDictSequential
+    policy: ActingPolicy
+    reconstruction: tuple[list, list, list]  # targets, predictions, symlog flags for the model loss
+
+    def parameter_count(self) -> int:
+        """World model, actor and critic (shared modules counted once)."""
+        modules = nn.ModuleList([self.world_model, self.actor, self.critic])
+        return sum(p.numel() for p in modules.parameters())
+
+
+def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
+    """Builds the networks on the current default device (meta works, for counting), in float32."""
     features = [("next", "state"), ("next", "belief")]
 
     # World model: encoder -> RSSM rollout -> decoders, reward and continue heads.
@@ -341,7 +360,12 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         _module(continue_net, ["state", "belief"], ["continue_logits"]),
         _module(nn.Sigmoid(), ["continue_logits"], ["continuation"]),
     )
-    dream = DreamerEnv(imagination, prior_shape=torch.Size([size.latent]), belief_shape=torch.Size([size.deter]))
+    dream = DreamerEnv(
+        imagination,
+        prior_shape=torch.Size([size.latent]),
+        belief_shape=torch.Size([size.deter]),
+        device=torch.get_default_device(),
+    )
     dream.observation_spec = Composite(state=Unbounded(size.latent), belief=Unbounded(size.deter))
     dream.state_spec = dream.observation_spec.clone()
     dream.action_spec = Unbounded(layout.action_dim)
@@ -367,9 +391,18 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         _module(Head(size, size.bins, size.critic_layers, outscale=0.0), ["state", "belief"], ["state_value_logits"]),
         _module(SymExpTwoHot(size.bins), ["state_value_logits"], ["state_value"]),
     )
+    acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
+    policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
+    return Networks(world_model, dream, continuation, actor, critic, policy, (targets, predictions, use_symlog))
 
+
+def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:
+    """Builds networks and DreamerV3's losses on the current default device, in float32."""
+    nets = build_networks(layout, size)
+    actor, critic = nets.actor, nets.critic
+    targets, predictions, use_symlog = nets.reconstruction
     model_loss = DreamerV3ModelLoss(
-        world_model,
+        nets.world_model,
         lambda_continue=1.0,
         kl_mode="separate",
         lambda_dynamic=loss.kl_dynamic,
@@ -384,8 +417,8 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
     actor_loss = DreamerV3ActorLoss(
         actor,
         critic,
-        dream,
-        continuation_model=continuation,
+        nets.imagination,
+        continuation_model=nets.continuation,
         imagination_horizon=loss.imag_length,
         entropy_bonus=loss.entropy,
         # The reference trains both discrete and continuous actors with REINFORCE.
@@ -409,17 +442,10 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         lmbda=loss.lmbda,
     )
     slow_critic = SoftUpdate(value_loss, tau=loss.slow_critic_tau)
-
-    acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
-    policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
-    return Agent(layout, size, world_model, actor, critic, full_loss, slow_critic, policy)
+    return Agent(layout, size, nets, full_loss, slow_critic)
 
 
 class _Concat(nn.Module):
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
         return torch.cat([t.float() for t in tensors], -1) if len(tensors) > 1 else tensors[0].float()
 
-
-def parameter_count(agent: Agent) -> int:
-    """Trainable parameters of world model, actor and critic (the slow critic's copy excluded)."""
-    return sum(p.numel() for p in agent.loss.parameters())

@@ -1,0 +1,138 @@
+"""Configuration checks with one-line errors, and the values derived from the config once.
+
+Two stages, both before any environment or model is built:
+  check_overrides(argv)  unknown preset / model size / other group option, before Hydra composes
+  validate(cfg)          value checks on the composed config, then `Settings` with derived values
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dreamer.agent import LossSettings, ModelSize
+from dreamer.envs import EnvConfigError, check_task
+from dreamer.learner import OptimizerSettings
+from dreamer.topology import Topology, resolve_topology
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_GROUP_NAMES = {"exp": "preset", "model": "model size", "env": "env suite", "topology": "topology",
+                "logger": "logger", "debug": "debug preset"}
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message is one line saying what is wrong and what to do."""
+
+
+def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    return sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+
+
+def check_overrides(argv: list[str], config_dir: Path = CONFIG_DIR) -> None:
+    """Rejects `[+]group=option` overrides whose option has no YAML file, listing the available ones."""
+    for arg in argv:
+        match = re.fullmatch(r"[+~]{0,2}([A-Za-z_]\w*)=(.*)", arg)
+        if not match or not (config_dir / match.group(1)).is_dir():
+            continue
+        group, value = match.groups()
+        values = value.split(",") if "," in value and not value.startswith(("[", "${")) else [value]
+        for option in values:
+            option = option.strip()
+            if option in ("", "null") or option.startswith(("${", "choice(", "range(", "glob(")):
+                continue
+            if not (config_dir / group / f"{option}.yaml").is_file():
+                options = group_options(group, config_dir)
+                name = _GROUP_NAMES.get(group, group)
+                raise ConfigError(f"unknown {name} '{option}'; available: {', '.join(options)}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Typed values the builders take; derived once from the config."""
+
+    topology: Topology
+    compile: bool
+    cudagraph: bool
+    bf16: bool
+    size: ModelSize
+    loss: LossSettings
+    optimizer: OptimizerSettings
+    updates_per_step: float  # train_ratio / (batch_size * batch_length)
+
+
+def _flag(value, default: bool, name: str) -> bool:
+    if value in ("auto", None):
+        return default
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{name} must be auto, true or false, got {value!r}")
+
+
+def validate(cfg: DictConfig) -> Settings:
+    if cfg.batch_size < 1:
+        raise ConfigError(f"batch_size must be at least 1, got {cfg.batch_size}")
+    if cfg.batch_length < 2:
+        raise ConfigError(f"batch_length must be at least 2 (the RSSM needs a transition), got {cfg.batch_length}")
+    if cfg.run.train_ratio <= 0:
+        raise ConfigError(f"run.train_ratio must be positive (replayed steps per env step), got {cfg.run.train_ratio}")
+    if cfg.run.envs < 1:
+        raise ConfigError(f"run.envs must be at least 1, got {cfg.run.envs}")
+    if cfg.run.steps < 1:
+        raise ConfigError(f"run.steps must be at least 1, got {cfg.run.steps}")
+    sequence = cfg.batch_length + 1
+    if cfg.replay.size < cfg.batch_size * sequence:
+        raise ConfigError(
+            f"replay.size={cfg.replay.size} is smaller than one batch of sequences "
+            f"(batch_size x (batch_length + 1) = {cfg.batch_size * sequence}); raise replay.size"
+        )
+    if cfg.replay.size // cfg.run.envs < sequence:
+        raise ConfigError(
+            f"replay.size={cfg.replay.size} split over run.envs={cfg.run.envs} streams holds less than one "
+            f"sequence of batch_length + 1 = {sequence} per stream; raise replay.size or lower run.envs"
+        )
+    for key in ("deter", "hidden", "stoch", "classes", "depth", "units", "blocks"):
+        if cfg.model[key] < 1:
+            raise ConfigError(f"model.{key} must be positive, got {cfg.model[key]}")
+    if cfg.model.deter % cfg.model.blocks:
+        raise ConfigError(f"model.deter={cfg.model.deter} must be a multiple of model.blocks={cfg.model.blocks}")
+    try:
+        check_task(cfg.env)
+    except EnvConfigError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        topology = resolve_topology(cfg.topology)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    cuda = topology.learner.type == "cuda"
+    if cfg.run.precision not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"run.precision must be auto, bf16 or fp32, got {cfg.run.precision!r}")
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model.pop("name", None)
+    model["mults"] = tuple(model["mults"])
+    return Settings(
+        topology=topology,
+        compile=_flag(cfg.run.compile, cuda, "run.compile"),
+        cudagraph=_flag(cfg.run.cudagraph, cuda, "run.cudagraph") and cuda,
+        bf16=cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cuda),
+        size=ModelSize(**model),
+        loss=LossSettings(**OmegaConf.to_container(cfg.loss, resolve=True)),
+        optimizer=OptimizerSettings(**OmegaConf.to_container(cfg.optimizer, resolve=True)),
+        updates_per_step=cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length),
+    )
+
+
+def describe(settings: Settings) -> str:
+    step = "compiled" if settings.compile else "eager"
+    if settings.cudagraph:
+        step += " + CUDA graph"
+    precision = "bf16" if settings.bf16 else "fp32"
+    return f"learner on {settings.topology.learner} ({step}, {precision}); topology {settings.topology.name}"
+
+
+def torch_threads() -> None:
+    """Small CPU runs are faster with few intra-op threads (less contention with the env loop)."""
+    torch.set_num_threads(max(1, min(4, torch.get_num_threads())))

@@ -1,0 +1,36 @@
+"""Environments: `make_env(env_cfg, seed, index)` returns a torchrl EnvBase with the project's key layout.
+
+Every suite gives observations (flat float vectors and/or `pixels` [3, H, W] uint8), `reward` [1] float32,
+and `done` / `terminated` / `truncated` [1] bool. Episode boundaries (`is_init`) and the latent carry are
+added by the collector, not here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig
+from torchrl.envs import EnvBase
+
+# suite name -> module in this package exposing make(env_cfg, seed, index) and TASKS (or None: any task)
+SUITES = {"gym": "gym"}
+
+
+class EnvConfigError(ValueError):
+    """A bad environment setting; the message is one line for the user."""
+
+
+def suite_module(suite: str):
+    if suite not in SUITES:
+        raise EnvConfigError(f"unknown env suite '{suite}'; available: {', '.join(sorted(SUITES))}")
+    return importlib.import_module(f"{__name__}.{SUITES[suite]}")
+
+
+def check_task(env_cfg: DictConfig) -> None:
+    """Raises EnvConfigError when the task does not exist in its suite (cheap: builds no environment)."""
+    suite_module(env_cfg.suite).check_task(env_cfg.task)
+
+
+def make_env(env_cfg: DictConfig, seed: int, index: int = 0) -> EnvBase:
+    """One environment of the suite named by env_cfg.suite, seeded with seed + index."""
+    return suite_module(env_cfg.suite).make(env_cfg, seed + index)

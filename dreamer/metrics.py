@@ -1,0 +1,195 @@
+"""What a run reports: a live console line, metrics.jsonl in the run folder (always), and wandb on request.
+
+The console line (rich) shows env steps, env steps/s, updates/s, the last episode return and the ETA.
+When stdout is not a terminal (CI, a log file) the same fields are printed as one plain line per record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def _eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "--:--"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
+class Rates:
+    """env steps/s and updates/s over the span since the previous call."""
+
+    def __init__(self, env_steps: int, updates: int):
+        self._last = (time.perf_counter(), env_steps, updates)
+
+    def __call__(self, env_steps: int, updates: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        then, steps0, updates0 = self._last
+        span = max(now - then, 1e-9)
+        self._last = (now, env_steps, updates)
+        return (env_steps - steps0) / span, (updates - updates0) / span
+
+
+class WandbSink:
+    """wandb, configured from `logger` settings. Offline when no API key is configured; never blocks
+    training: a failure to start falls back to offline once, then to nothing, with one warning line."""
+
+    def __init__(self, settings: dict, run_dir: Path, name: str, config: dict):
+        import wandb
+
+        self.wandb = wandb
+        mode = settings.get("mode", "auto")
+        if mode == "auto":
+            mode = "online" if self._has_key() else "offline"
+        id_file = run_dir / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        kwargs = dict(
+            project=settings.get("project"),
+            entity=settings.get("entity"),
+            group=settings.get("group"),
+            tags=list(settings.get("tags") or []),
+            name=name,
+            dir=str(run_dir),
+            config=config,
+            id=run_id,
+            resume="allow",
+            settings=wandb.Settings(init_timeout=60, silent=True),
+        )
+        self.run = None
+        for attempt in ([mode, "offline"] if mode == "online" else [mode]):
+            try:
+                self.run = wandb.init(mode=attempt, **kwargs)
+                break
+            except Exception as error:  # network, bad key, server: training goes on without it
+                print(f"warning: wandb {attempt} failed ({str(error).splitlines()[0]}); ", end="", file=sys.stderr)
+                print("falling back to offline" if attempt == "online" else "not logging to wandb", file=sys.stderr)
+
+    @staticmethod
+    def _has_key() -> bool:
+        if os.environ.get("WANDB_API_KEY"):
+            return True
+        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+        return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+    def log(self, record: dict, step: int) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class Metrics:
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_steps: int = 0,
+        start_updates: int = 0,
+        wandb: dict | None = None,
+        name: str = "",
+        config: dict | None = None,
+        console: Console | None = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.total = total_steps
+        self.console = console or Console()
+        self.start = time.perf_counter()
+        self.rates = Rates(start_steps, start_updates)
+        self._overall = (time.perf_counter(), start_steps)
+        self.last_return: float | None = None
+        self.fps = 0.0
+        self.ups = 0.0
+        self.sink = WandbSink(wandb, Path(run_dir), name, config or {}) if wandb else None
+        self.live = self.console.is_terminal
+        self.progress = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]{task.completed:,.0f}[/]/{task.total:,.0f} env steps"),
+                BarColumn(bar_width=24),
+                TextColumn("{task.fields[fps]:,.0f} steps/s  {task.fields[ups]:.2f} updates/s"),
+                TextColumn("return {task.fields[ret]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
+                console=self.console,
+                transient=False,
+            )
+            self.task = self.progress.add_task(
+                "train", total=total_steps, completed=start_steps, fps=0.0, ups=0.0, ret="-", eta="--:--"
+            )
+            self.progress.start()
+
+    def eta(self, env_steps: int) -> float:
+        then, steps0 = self._overall
+        rate = (env_steps - steps0) / max(time.perf_counter() - then, 1e-9)
+        return (self.total - env_steps) / rate if rate > 0 else math.inf
+
+    def episode(self, score: float) -> None:
+        self.last_return = score
+
+    def tick(self, env_steps: int) -> None:
+        """Refreshes the live line (cheap; rich redraws at its own rate)."""
+        if self.progress is not None:
+            ret = "-" if self.last_return is None else f"{self.last_return:.1f}"
+            self.progress.update(
+                self.task, completed=env_steps, fps=self.fps, ups=self.ups, ret=ret, eta=_eta(self.eta(env_steps))
+            )
+
+    def write(self, record: dict, env_steps: int, updates: int, kind: str = "train") -> dict:
+        """Appends one record to metrics.jsonl (and wandb); prints it when there is no live line."""
+        if kind == "train":
+            self.fps, self.ups = self.rates(env_steps, updates)
+        record = {
+            "kind": kind,
+            "env_steps": env_steps,
+            "updates": updates,
+            "time": round(time.perf_counter() - self.start, 3),
+            **({"env_steps_per_s": self.fps, "updates_per_s": self.ups} if kind == "train" else {}),
+            **record,
+        }
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.sink is not None:
+            self.sink.log({f"{kind}/{k}" if "/" not in k and k not in ("env_steps", "updates") else k: v
+                           for k, v in record.items()}, step=env_steps)
+        self.tick(env_steps)
+        if kind != "train" or not self.live:
+            self.print_record(record)
+        return record
+
+    def print_record(self, record: dict) -> None:
+        kind = record["kind"]
+        parts = [f"[{kind}]", f"{record['env_steps']:,}/{self.total:,} env steps"]
+        if kind == "train":
+            ret = "-" if self.last_return is None else f"{self.last_return:.1f}"
+            parts += [
+                f"{record['env_steps_per_s']:,.0f} steps/s",
+                f"{record['updates_per_s']:.2f} updates/s",
+                f"return {ret}",
+                f"ETA {_eta(self.eta(record['env_steps']))}",
+            ]
+        else:
+            parts += [f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                      for k, v in record.items() if k.startswith("eval/")]
+        line = "  ".join(parts)
+        if self.progress is not None:
+            self.progress.console.print(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.sink is not None:
+            self.sink.close()

@@ -1,0 +1,157 @@
+"""Replay: one stream per environment in a ReplayBufferEnsemble, and the latent write-back.
+
+Each env's records go to its own member (a round-robin writer that tracks slot generations), so a
+slice of `batch_length + 1` records is always consecutive in time for one env; slices may span an
+episode end, where `is_init` resets the RSSM. After an update, the learner's refreshed posterior of
+record t becomes the stored context (state, belief) of record t+1 — but only if that slot still
+holds the record it held at sampling time (its generation is unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import (
+    LazyTensorStorage,
+    ReplayBufferEnsemble,
+    SliceSampler,
+    TensorDictReplayBuffer,
+    TensorDictRoundRobinWriter,
+)
+
+STREAM_KEY = "stream"
+HANDLE_KEYS = ("index", "index_generation")
+
+
+def last_write_wins(coordinates: torch.Tensor) -> torch.Tensor:
+    """Positions of the last row of each distinct coordinate row, ordered by coordinate.
+
+    `coordinates` is [N, C] of non-negative integers (here: member id, slot). Rows are ordered with one
+    stable sort of a packed int64 key, so equal rows keep their submission order and the last of each
+    run is the newest write. When the packed key could overflow int64, the columns are sorted one at a
+    time instead (stable sorts from the last column to the first give the same lexicographic order).
+    """
+    if coordinates.ndim != 2:
+        raise ValueError(f"coordinates must be [N, C], got shape {tuple(coordinates.shape)}")
+    coordinates = coordinates.long()
+    rows, columns = coordinates.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.long, device=coordinates.device)
+    if bool((coordinates < 0).any()):
+        raise ValueError("coordinates must be non-negative")
+    spans = [int(v) + 1 for v in coordinates.amax(0).tolist()]
+    if math.prod(spans) <= 2**63 - 1:
+        strides = [math.prod(spans[c + 1 :]) for c in range(columns)]
+        key = (coordinates * torch.tensor(strides, device=coordinates.device)).sum(1)
+        order = torch.sort(key, stable=True).indices
+        ordered = key[order]
+        boundary = ordered[1:] != ordered[:-1]
+    else:
+        order = torch.arange(rows, device=coordinates.device)
+        for column in reversed(range(columns)):
+            order = order[torch.sort(coordinates[order, column], stable=True).indices]
+        ordered = coordinates[order]
+        boundary = (ordered[1:] != ordered[:-1]).any(1)
+    last = torch.cat([boundary, boundary.new_ones(1)])
+    return order[last]
+
+
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host index to `device` without a synchronizing pageable copy."""
+    if index.device == device:
+        return index
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+class Replay:
+    """The replay ensemble: `add` a record per env, `sample` [batch, length + 1], `write_back` contexts."""
+
+    def __init__(
+        self,
+        streams: int,
+        size: int,
+        batch_size: int,
+        batch_length: int,
+        device: torch.device,
+        seed: int = 0,
+        prefetch: int = 1,
+    ):
+        self.streams = streams
+        self.sequence = batch_length + 1
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.capacity = size // streams
+        if self.capacity < self.sequence:
+            raise ValueError(
+                f"replay.size={size} split over {streams} env streams holds {self.capacity} steps per stream, "
+                f"less than one sequence of batch_length + 1 = {self.sequence}"
+            )
+        members = [
+            TensorDictReplayBuffer(
+                storage=LazyTensorStorage(self.capacity),
+                # One trajectory per stream: slices run through episode ends but never across the
+                # write cursor of the circular storage.
+                sampler=SliceSampler(slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True),
+                writer=TensorDictRoundRobinWriter(track_generations=True),
+            )
+            for _ in range(streams)
+        ]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.buffer = ReplayBufferEnsemble(
+            *members,
+            p="sampleable",
+            num_buffer_sampled=batch_size,
+            routing_dim=0,
+            batch_size=batch_size * self.sequence,
+            generator=self.generator,
+            pin_memory=self.device.type == "cuda",
+            prefetch=prefetch if self.device.type == "cuda" else None,
+        )
+        self._stream_ids = torch.arange(streams)
+        self.added = 0
+
+    def add(self, records: TensorDictBase) -> None:
+        """Appends one record per stream (records has batch size [streams])."""
+        records = records.clone(False)
+        records.set(STREAM_KEY, self._stream_ids)
+        self.buffer.extend(records)
+        self.added += records.shape[0]
+
+    def ready(self) -> bool:
+        """True once every stream holds at least one full sequence."""
+        return all(len(member) >= self.sequence for member in self.buffer._rbs)
+
+    def sample(self) -> tuple[TensorDictBase, TensorDictBase]:
+        """A batch [batch_size, batch_length + 1] on the learner device, and its host-side handles."""
+        data = self.buffer.sample().reshape(self.batch_size, self.sequence)
+        handles = data.select(*HANDLE_KEYS)
+        batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
+        return batch.to(self.device, non_blocking=True), handles
+
+    def write_back(self, handles: TensorDictBase, state: torch.Tensor, belief: torch.Tensor) -> Future:
+        """Submits the refreshed posterior of records [:, :-1] as the context of records [:, 1:].
+
+        Overlapping slices address some slots more than once: the last write wins. The copy to the host
+        is enqueued on the producing stream now; torchrl's update thread applies it once it has landed.
+        """
+        index = handles.get("index")[:, 1:].reshape(-1)
+        generation = handles.get("index_generation")[:, 1:].reshape(-1)
+        coordinates = torch.stack([index.get("buffer_ids"), index.get("index")], -1)
+        keep = last_write_wins(coordinates)
+        on_device = _to_device(keep, state.device)
+        patch = {
+            "state": state.detach().reshape(-1, state.shape[-1])[on_device].float(),
+            "belief": belief.detach().reshape(-1, belief.shape[-1])[on_device].float(),
+        }
+        return self.buffer.submit_update_if_present(index=index[keep], generation=generation[keep], patch=patch)
+
+    def __len__(self) -> int:
+        return sum(len(member) for member in self.buffer._rbs)
+
+    def close(self) -> None:
+        self.buffer.shutdown()

@@ -1,0 +1,166 @@
+"""`python -m dreamer.train [+exp=NAME] [key=value ...]`: train DreamerV3; rerun the same command to resume."""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torchrl.trainers.algorithms import DreamerV3UpdateRatio
+
+from dreamer import checkpoint
+from dreamer.agent import EnvLayout, build_agent
+from dreamer.collect import Collector
+from dreamer.config import ConfigError, check_overrides, describe, torch_threads, validate
+from dreamer.envs import make_env
+from dreamer.evaluate import evaluate
+from dreamer.learner import Learner
+from dreamer.metrics import Metrics
+from dreamer.replay import Replay
+
+EVAL_SEED_OFFSET = 1_000_000
+
+
+class Every:
+    """Named schedule predicate: true each time `step` crosses a multiple of `period` (0 = never)."""
+
+    def __init__(self, period: int, step: int = 0):
+        self.period, self.last = period, (step // period if period else 0)
+
+    def __call__(self, step: int) -> bool:
+        if not self.period or step // self.period == self.last:
+            return False
+        self.last = step // self.period
+        return True
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+@hydra.main(config_path="../configs", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except (ConfigError, checkpoint.CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def train(cfg: DictConfig) -> None:
+    settings = validate(cfg)  # every check that needs no environment or model
+    run_dir = Path(cfg.run.dir)
+    resumed = checkpoint.resume_state(run_dir, str(cfg.run.resume))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    print(f"dreamer: run folder {run_dir}; {describe(settings)}", flush=True)
+    device = settings.topology.learner
+    torch.manual_seed(cfg.seed), np.random.seed(cfg.seed), random.seed(cfg.seed)
+
+    envs = [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)]
+    layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
+    agent = build_agent(layout, settings.size, settings.loss).to(device)
+    learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16)
+    replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
+    collector = Collector(envs, agent.policy, layout, settings.size, device)
+    evaluator = Collector([make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)], agent.policy, layout,
+                          settings.size, device, explore=False)
+    ratio = DreamerV3UpdateRatio(settings.updates_per_step)
+    # train_steps counts env steps collected while replay is ready, so refilling replay after a
+    # resume does not pile up a burst of owed updates.
+    counters = {"env_steps": 0, "train_steps": 0, "episodes": 0}
+    if resumed:
+        path, state = resumed
+        learner.load_state_dict(state["learner"])
+        ratio.load_state_dict(state["ratio"])
+        counters.update(state["counters"])
+        set_rng_state(state["rng"])
+        replay.generator.set_state(state["replay_rng"])
+        print(f"dreamer: resumed from {path} at {counters['env_steps']:,} env steps, "
+              f"{learner.updates:,} updates", flush=True)
+    print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
+
+    def save() -> None:
+        checkpoint.save(run_dir, counters["env_steps"], {
+            "learner": learner.state_dict(), "ratio": ratio.state_dict(), "counters": dict(counters),
+            "rng": rng_state(), "replay_rng": replay.generator.get_state()}, cfg.run.keep_checkpoints)
+
+    should_log = Every(cfg.run.log_every, counters["env_steps"])
+    should_eval = Every(cfg.run.eval_every, counters["env_steps"])
+    should_save = Every(cfg.run.save_every, counters["env_steps"])
+    metrics = Metrics(run_dir, cfg.run.steps, counters["env_steps"], learner.updates,
+                      wandb=OmegaConf.to_container(cfg.logger) if cfg.logger.wandb else None,
+                      name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True))
+    episode_scores: list[float] = []
+    with checkpoint.GracefulStop() as stop:
+        while counters["env_steps"] < cfg.run.steps and not stop:
+            records, episodes = collector.step()
+            replay.add(records)
+            counters["env_steps"] += cfg.run.envs
+            for episode in episodes:
+                counters["episodes"] += 1
+                episode_scores.append(episode.score)
+                metrics.episode(episode.score)
+
+            if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
+                counters["train_steps"] += cfg.run.envs
+                for _ in range(ratio(counters["train_steps"])):
+                    batch, handles = replay.sample()
+                    if learner.needs_warmup:
+                        seconds = learner.warmup(batch[:, :-1])
+                        metrics.write({"warmup_seconds": seconds}, counters["env_steps"], 0, kind="warmup")
+                    batch = learner.update(batch[:, :-1])
+                    if cfg.replay.context:
+                        context = batch.get("replay_context")
+                        replay.write_back(handles, context.get("state"), context.get("belief"))
+
+            metrics.tick(counters["env_steps"])
+            if should_log(counters["env_steps"]):
+                record = learner.drain()
+                if episode_scores:
+                    record.update({"episode/return": float(np.mean(episode_scores)),
+                                   "episode/count": counters["episodes"]})
+                    episode_scores.clear()
+                metrics.write(record, counters["env_steps"], learner.updates)
+            if should_eval(counters["env_steps"]) and cfg.run.eval_episodes:
+                metrics.write(evaluate(evaluator, cfg.run.eval_episodes), counters["env_steps"],
+                              learner.updates, kind="eval")
+            if should_save(counters["env_steps"]):
+                save()
+
+        save()
+        if stop:
+            print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
+        elif cfg.run.eval_episodes:
+            metrics.write(evaluate(evaluator, cfg.run.eval_episodes), counters["env_steps"],
+                          learner.updates, kind="final_eval")
+    metrics.close()
+    replay.close()
+    collector.close()
+    evaluator.close()
+
+
+def cli() -> None:
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    torch_threads()
+    try:
+        check_overrides(sys.argv[1:])
+        main()
+    except (ConfigError, checkpoint.CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

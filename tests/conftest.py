@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+logging.getLogger("torchrl").setLevel(logging.WARNING)
+
+
+def run_train(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m dreamer.train ARGS` in `cwd` (run folders land under cwd/runs)."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
+                   **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "dreamer.train", *args],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

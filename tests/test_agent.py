@@ -1,0 +1,103 @@
+"""Networks and one learner update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from tensordict import TensorDict
+from torchrl.data import Bounded, Composite, OneHot, Unbounded
+
+from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent, build_networks
+from dreamer.config import CONFIG_DIR
+from dreamer.learner import Learner, OptimizerSettings
+
+VECTOR = EnvLayout.from_specs(Composite(observation=Unbounded(4)), OneHot(2))
+IMAGE = EnvLayout.from_specs(Composite(pixels=Bounded(0, 255, (3, 64, 64), dtype=torch.uint8)), OneHot(17))
+# Golden parameter counts (world model + actor + critic). A change here changes every checkpoint.
+PINNED = {
+    "size1m": (637_381, 642_307),
+    "size12m": (9_724_165, 9_775_315),
+    "size25m": (21_762_181, 21_870_387),
+    "size50m": (38_584_325, 38_770_579),
+    "size100m": (86_580_997, 86_986_323),
+    "size200m": (153_714_181, 154_422_547),
+    "size400m": (345_390_085, 346_956_435),
+}
+
+
+def _size(name: str, **changes) -> ModelSize:
+    model = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())
+    model.pop("name")
+    return ModelSize(**{**model, **changes})
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_parameter_counts_are_pinned(name):
+    with torch.device("meta"):  # counts without allocating 400M parameters
+        vector = build_networks(VECTOR, _size(name)).parameter_count()
+        image = build_networks(IMAGE, _size(name)).parameter_count()
+    assert (vector, image) == PINNED[name]
+
+
+def test_layout_reads_the_specs():
+    mixed = Composite(pixels=Bounded(0, 255, (3, 64, 64), dtype=torch.uint8), vector=Unbounded(7),
+                      step_count=Unbounded(1, dtype=torch.int64))
+    layout = EnvLayout.from_specs(mixed, Bounded(-1, 1, (3,)))
+    assert layout.vector_keys == ("vector",) and layout.vector_dim == 7
+    assert layout.image_shape == (3, 64, 64) and layout.action_dim == 3 and not layout.discrete
+    with pytest.raises(ValueError, match="no usable observation"):
+        EnvLayout.from_specs(Composite(step_count=Unbounded(1, dtype=torch.int64)), OneHot(2))
+
+
+def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int) -> TensorDict:
+    nxt = {"reward": torch.randn(batch, length, 1), "done": torch.zeros(batch, length, 1, dtype=torch.bool),
+           "terminated": torch.zeros(batch, length, 1, dtype=torch.bool)}
+    for key in layout.vector_keys:
+        nxt[key] = torch.randn(batch, length, layout.vector_dim)
+    if layout.image_shape:
+        nxt["pixels"] = torch.randint(0, 256, (batch, length, *layout.image_shape), dtype=torch.uint8)
+    nxt["done"][:, -1] = True
+    nxt["terminated"][0, -1] = True
+    is_init = torch.zeros(batch, length, 1, dtype=torch.bool)
+    is_init[:, 0] = True
+    action = torch.nn.functional.one_hot(torch.randint(0, layout.action_dim, (batch, length)), layout.action_dim)
+    return TensorDict({"state": torch.zeros(batch, length, size.latent), "belief": torch.zeros(batch, length, size.deter),
+                       "action": action.float(), "is_init": is_init, "next": nxt}, [batch, length])
+
+
+@pytest.mark.parametrize("layout", [VECTOR, IMAGE], ids=["vector", "image"])
+def test_one_update_has_finite_losses_and_changes_parameters(layout):
+    torch.manual_seed(0)
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
+    agent = build_agent(layout, size, LossSettings(imag_length=4))
+    learner = Learner(agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
+    before = [p.detach().clone() for p in agent.loss.parameters()]
+    # Reward and value heads start with zero output weights (outscale 0): their hidden layers get a
+    # gradient from the second update on.
+    learner.update(_batch(layout, size, 3, 6))
+    batch = learner.update(_batch(layout, size, 3, 6))
+    metrics = learner.drain()
+    losses = {k: v for k, v in metrics.items() if k.startswith("train/loss_")}
+    assert {"train/loss_model_reco", "train/loss_model_reward", "train/loss_model_dynamic", "train/loss_actor",
+            "train/loss_value", "train/loss_replay_value", "train/loss_model_continue"} <= set(losses)
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    changed = [not torch.equal(a, b.detach()) for a, b in zip(before, agent.loss.parameters())]
+    assert all(changed)
+    context = batch.get("replay_context")
+    assert context.batch_size == torch.Size([3, 6]) and not context.get("state").requires_grad
+    # Categorical latents: each of the `stoch` groups is one-hot.
+    assert torch.allclose(context.get("state").reshape(3, 6, size.stoch, size.classes).sum(-1), torch.ones(3, 6, size.stoch))
+
+
+def test_acting_policy_resets_the_carry_on_is_init():
+    torch.manual_seed(0)
+    size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    agent = build_agent(VECTOR, size, LossSettings())
+    record = TensorDict({"state": torch.randn(2, size.latent), "belief": torch.randn(2, size.deter),
+                         "action": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "is_init": torch.tensor([[True], [True]]),
+                         "next": {"observation": torch.ones(2, 4)}}, [2])
+    out = agent.policy(record.clone()).get("policy")
+    # Both rows are resets with the same observation: their beliefs no longer depend on the old carry.
+    assert torch.allclose(out.get("belief")[0], out.get("belief")[1])
+    assert out.get("action").shape == (2, 2) and torch.all(out.get("action").sum(-1) == 1)

@@ -1,0 +1,126 @@
+"""Replay streams, sampling windows and the latent write-back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from dreamer.replay import Replay, last_write_wins
+
+
+def _records(step: int, streams: int, width: int = 3) -> TensorDict:
+    """One record per stream; `t` encodes (stream, step) so every stored value is traceable."""
+    t = torch.tensor([1000 * s + step for s in range(streams)])
+    return TensorDict({
+        "t": t,
+        "state": torch.zeros(streams, width),
+        "belief": torch.zeros(streams, width),
+        "is_init": torch.zeros(streams, 1, dtype=torch.bool),
+        "next": {"done": torch.zeros(streams, 1, dtype=torch.bool)},
+    }, [streams])
+
+
+def _replay(streams=2, size=40, batch_size=6, batch_length=3) -> Replay:
+    return Replay(streams, size, batch_size, batch_length, torch.device("cpu"), seed=0)
+
+
+def _stored(replay: Replay, member: int) -> TensorDict:
+    return replay.buffer._rbs[member].storage[:]
+
+
+@pytest.mark.parametrize("force_fallback", [False, True])
+def test_last_write_wins_keeps_the_last_duplicate(force_fallback):
+    coordinates = torch.tensor([[0, 5], [1, 5], [0, 5], [0, 2], [1, 5], [0, 5]])
+    if force_fallback:  # a radix product beyond int64 takes the per-column path
+        coordinates = torch.cat([coordinates, torch.tensor([[0, 2**62]])])
+    keep = last_write_wins(coordinates).tolist()
+    expected = [3, 5, 4] + ([6] if force_fallback else [])  # (0,2) (0,5)=last (1,5)=last, sorted
+    assert keep == sorted(expected, key=lambda i: tuple(coordinates[i].tolist()))
+
+
+def test_last_write_wins_both_paths_agree_on_random_input():
+    generator = torch.Generator().manual_seed(0)
+    coordinates = torch.randint(0, 7, (500, 3), generator=generator)
+    packed = last_write_wins(coordinates)
+    big = coordinates.clone()
+    big[:, 0] *= 2**59  # same order, but the packed key would overflow int64
+    assert torch.equal(packed, last_write_wins(big))
+    for row in packed.tolist():  # each kept row is the last occurrence of its coordinate
+        later = (coordinates[row + 1:] == coordinates[row]).all(1)
+        assert not bool(later.any())
+    assert len(packed) == len({tuple(r) for r in coordinates.tolist()})
+
+
+def test_each_row_goes_to_its_env_stream_and_windows_are_consecutive():
+    replay = _replay(streams=3, size=60, batch_size=32, batch_length=4)
+    for step in range(12):
+        replay.add(_records(step, 3))
+    for member in range(3):
+        assert _stored(replay, member).get("t").tolist() == [1000 * member + s for s in range(12)]
+    batch, handles = replay.sample()
+    assert batch.shape == (32, 5)
+    t = batch.get("t")
+    assert torch.all(t[:, 1:] - t[:, :-1] == 1)  # consecutive steps of one stream
+    assert torch.equal(handles.get(("index", "buffer_ids")), t // 1000 * torch.ones_like(t))
+
+
+def test_windows_never_cross_the_write_cursor():
+    replay = _replay(streams=1, size=10, batch_size=64, batch_length=3)
+    for step in range(23):  # wraps the 10-slot stream twice
+        replay.add(_records(step, 1))
+    t = replay.sample()[0].get("t")
+    assert torch.all(t[:, 1:] - t[:, :-1] == 1) and int(t.min()) >= 13
+
+
+def test_write_back_sets_the_context_of_the_next_record():
+    replay = _replay(streams=2, size=40, batch_size=8, batch_length=3)
+    for step in range(10):
+        replay.add(_records(step, 2))
+    batch, handles = replay.sample()
+    learner_rows = batch[:, :-1]
+    # A refreshed posterior that names the record it came from.
+    state = learner_rows.get("t").float().unsqueeze(-1).expand(8, 3, 3).contiguous()
+    replay.write_back(handles, state, state + 0.5).result()
+    for member in range(2):
+        stored = _stored(replay, member)
+        for row, t in zip(stored.get("state")[:, 0].tolist(), stored.get("t").tolist()):
+            assert row in (0.0, float(t - 1))  # untouched, or the posterior of the previous record
+    touched = {int(t) for t in batch.get("t")[:, 1:].reshape(-1)}
+    for member in range(2):
+        stored = _stored(replay, member)
+        for t, value in zip(stored.get("t").tolist(), stored.get("belief")[:, 0].tolist()):
+            assert (value == t - 1 + 0.5) == (t in touched)
+
+
+def test_duplicated_coordinates_keep_the_last_value():
+    replay = _replay(streams=1, size=20, batch_size=2, batch_length=3)
+    for step in range(4):  # exactly one window: both sampled rows address the same slots
+        replay.add(_records(step, 1))
+    batch, handles = replay.sample()
+    assert torch.equal(batch.get("t")[0], batch.get("t")[1])
+    state = torch.stack([torch.full((3, 3), 1.0), torch.full((3, 3), 2.0)])
+    result = replay.write_back(handles, state, state).result()
+    assert result.updated_count == 3  # three distinct slots, once each
+    assert _stored(replay, 0).get("state")[1:, 0].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_stale_generation_is_skipped():
+    replay = _replay(streams=1, size=5, batch_size=1, batch_length=3)
+    for step in range(5):
+        replay.add(_records(step, 1))
+    batch, handles = replay.sample()
+    overwritten = batch.get("t")[0, 1:].tolist()
+    for step in range(5, 5 + 5):  # rewrite every slot: all sampled handles are now stale
+        replay.add(_records(step, 1))
+    result = replay.write_back(handles, torch.ones(1, 3, 3), torch.ones(1, 3, 3)).result()
+    assert result.updated_count == 0 and result.stale_count == 3
+    stored = _stored(replay, 0)
+    assert stored.get("state").abs().sum() == 0 and not set(overwritten) & set(stored.get("t").tolist())
+
+
+def test_replay_too_small_for_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="less than one sequence"):
+        Replay(4, 10, 1, 3, torch.device("cpu"))
