@@ -133,7 +133,8 @@ def train(cfg: DictConfig) -> None:
                                    "episode/count": counters["episodes"]})
                     episode_scores.clear()
                 metrics.write(record, counters["env_steps"], learner.updates)
-            if should_eval(counters["env_steps"]) and cfg.run.eval_episodes:
+            # The last scheduled evaluation is the final one, after the loop.
+            if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
                 metrics.write(evaluate(evaluator, cfg.run.eval_episodes), counters["env_steps"],
                               learner.updates, kind="eval")
             if should_save(counters["env_steps"]):

@@ -1,0 +1,107 @@
+"""The real command, as a subprocess: smoke run, SIGTERM + resume, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_train
+
+SMOKE = ["+debug=smoke"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoints(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("ckpt-*.pt"))
+
+
+def test_smoke_run_writes_metrics_config_and_checkpoints(workdir):
+    result = run_train(SMOKE + ["run.name=smoke"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = workdir / "runs" / "smoke"
+    records = _records(run)
+    train = [r for r in records if r["kind"] == "train"]
+    assert train and train[-1]["env_steps"] == 256 and train[-1]["updates"] > 0
+    assert all(v == v for r in train for k, v in r.items() if k.startswith("train/loss_"))  # no NaN
+    assert any(r["kind"] == "final_eval" for r in records)
+    assert (run / "config.yaml").is_file()
+    assert [p.name for p in _checkpoints(run)] == ["ckpt-000000000128.pt", "ckpt-000000000256.pt"]
+    assert "[final_eval]" in result.stdout and "env steps" in result.stdout
+
+
+def test_sigterm_saves_and_the_same_command_resumes(workdir):
+    args = SMOKE + ["run.name=resume", "run.steps=100000", "run.save_every=100000", "run.eval_every=0"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    process = subprocess.Popen([sys.executable, "-m", "dreamer.train", *args], cwd=workdir, env=environment,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = workdir / "runs" / "resume"
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait until it is training (a metrics record after the first updates)
+        if (run / "metrics.jsonl").exists() and any(r["updates"] > 0 for r in _records(run)):
+            break
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    assert "SIGTERM received; saved at" in out
+    saved = _checkpoints(run)
+    assert len(saved) == 1
+    saved_steps = int(saved[0].stem.split("-")[1])
+    assert saved_steps > 0
+
+    result = run_train(args[:-3] + ["run.name=resume", f"run.steps={saved_steps + 128}", "run.eval_every=0"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {saved[0]} at {saved_steps:,} env steps" in result.stdout
+    records = _records(run)
+    resumed = [r for r in records if r["env_steps"] > saved_steps]
+    assert resumed and min(r["env_steps"] for r in resumed) > saved_steps
+    assert max(r["env_steps"] for r in records) == saved_steps + 128
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["+exp=nope"], "unknown preset 'nope'; available: acrobot, pendulum"),
+        (["model=size3m"], "unknown model size 'size3m'; available: size100m, size12m"),
+        (["batch_length=1"], "batch_length must be at least 2"),
+        (["batch_size=0"], "batch_size must be at least 1"),
+        (["run.train_ratio=0"], "run.train_ratio must be positive"),
+        (["replay.size=10"], "replay.size=10 is smaller than one batch of sequences"),
+        (["topology.learner=cuda:3"], "device cuda:3 does not exist"),
+        (["env.task=NoSuchTask-v0"], "unknown gym task 'NoSuchTask-v0'; available:"),
+    ],
+)
+def test_bad_input_gets_one_line_and_a_nonzero_exit(workdir, args, message):
+    result = run_train(SMOKE + ["run.name=bad"] + args, workdir, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-2000:]
+    assert not (workdir / "runs" / "bad" / "metrics.jsonl").exists()  # nothing was built or run
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(workdir):
+    args = SMOKE + ["run.name=corrupt", "run.eval_every=0"]
+    assert run_train(args, workdir).returncode == 0
+    older, newest = _checkpoints(workdir / "runs" / "corrupt")
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as after a crash mid-copy
+    truncated = newest.read_bytes()
+    result = run_train(args, workdir, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and newest.name in lines[0] and "corrupt or truncated" in lines[0]
+    assert f"run.resume={older}" in lines[0]
+    assert newest.read_bytes() == truncated and older.exists()  # no data lost
+    # Following the advice resumes from the intact checkpoint.
+    result = run_train(args + [f"run.resume={older}", "run.steps=320"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "128 env steps" in result.stdout
