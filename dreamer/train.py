@@ -79,7 +79,7 @@ def train(cfg: DictConfig) -> None:
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps counts env steps collected while replay is ready, so refilling replay after a
     # resume does not pile up a burst of owed updates.
-    counters = {"env_steps": 0, "train_steps": 0, "episodes": 0}
+    counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
     if resumed:
         path, state = resumed
         learner.load_state_dict(state["learner"])
@@ -115,7 +115,9 @@ def train(cfg: DictConfig) -> None:
 
             if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
                 counters["train_steps"] += cfg.run.envs
-                for _ in range(ratio(counters["train_steps"])):
+                counters["owed_updates"] += ratio(counters["train_steps"])
+                while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
+                    counters["owed_updates"] -= 1
                     batch, handles = replay.sample()
                     if learner.needs_warmup:
                         seconds = learner.warmup(batch[:, :-1])

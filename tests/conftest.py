@@ -13,9 +13,13 @@ logging.getLogger("torchrl").setLevel(logging.WARNING)
 
 
 def run_train(args: list[str], cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m dreamer.train ARGS` in `cwd` (run folders land under cwd/runs)."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-                   **(env or {})}
+    """`python -m dreamer.train ARGS` in `cwd` (run folders land under cwd/runs). env: None removes a variable."""
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    for key, value in (env or {}).items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = value
     return subprocess.run(
         [sys.executable, "-m", "dreamer.train", *args],
         cwd=cwd,

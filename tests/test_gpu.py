@@ -1,0 +1,52 @@
+"""CUDA paths: the learner step on the GPU (eager and CUDA graph) and the write-back from device tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dreamer.agent import LossSettings, build_agent
+from dreamer.learner import Learner, OptimizerSettings
+from dreamer.replay import Replay
+from tests.test_agent import VECTOR, _batch, _size
+from tests.test_replay import _records
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("cudagraph", [False, True], ids=["eager", "cudagraph"])
+def test_learner_update_on_cuda(cudagraph):
+    torch.manual_seed(0)
+    device = torch.device("cuda:0")
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    with torch.device(device):
+        agent = build_agent(VECTOR, size, LossSettings(imag_length=4))
+    learner = Learner(agent, OptimizerSettings(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
+    batch = _batch(VECTOR, size, 4, 8).to(device)
+    learner.warmup(batch)
+    before = [p.detach().clone() for p in agent.loss.parameters()]
+    for _ in range(3):
+        batch = learner.update(_batch(VECTOR, size, 4, 8).to(device))
+    metrics = learner.drain()
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert sum(not torch.equal(a, b) for a, b in zip(before, agent.loss.parameters())) > 0
+    assert batch.get(("replay_context", "state")).device.type == "cuda"
+
+
+def test_write_back_from_cuda_tensors():
+    replay = Replay(2, 40, 8, 3, torch.device("cuda:0"), seed=0)
+    for step in range(10):
+        replay.add(_records(step, 2))
+    batch, handles = replay.sample()
+    assert batch.device.type == "cuda"
+    state = batch.get("t")[:, :-1].float().unsqueeze(-1).expand(8, 3, 3).contiguous()
+    result = replay.write_back(handles, state, state).result()
+    assert result.updated_count > 0
+    for member in range(2):
+        stored = replay.buffer._rbs[member].storage[:]
+        for value, t in zip(stored.get("state")[:, 0].tolist(), stored.get("t").tolist()):
+            assert value in (0.0, float(t - 1))
+    replay.close()

@@ -1,0 +1,22 @@
+"""logger=wandb without an API key: offline run files in the run folder, never a hang; resume keeps the id."""
+
+from __future__ import annotations
+
+from tests.conftest import run_train
+
+
+def test_wandb_goes_offline_without_a_key_and_a_resume_keeps_the_run_id(workdir):
+    environment = {"WANDB_MODE": None, "WANDB_API_KEY": None, "HOME": str(workdir), "NETRC": str(workdir / "none")}
+    args = ["+debug=smoke", "run.name=wb", "logger=wandb", "run.eval_every=0"]
+    first = run_train(args + ["run.steps=128"], workdir, env=environment)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = workdir / "runs" / "wb"
+    run_id = (run / "wandb_id.txt").read_text().strip()
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and offline[0].name.endswith(run_id)
+    assert any(p.suffix == ".wandb" for p in offline[0].iterdir())
+
+    second = run_train(args + ["run.steps=256"], workdir, env=environment)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (run / "wandb_id.txt").read_text().strip() == run_id
+    assert all(p.name.endswith(run_id) for p in (run / "wandb").glob("offline-run-*"))
