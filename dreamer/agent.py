@@ -258,11 +258,6 @@ class Agent:
     def policy(self) -> ActingPolicy:
         return self.networks.policy
 
-    def to(self, device: torch.device) -> Agent:
-        self.loss.to(device)
-        self.loss.actor_loss.model_based_env.to(device)
-        return self
-
 
 def _module(net: nn.Module, in_keys: list, out_keys: list) -> TensorDictModule:
     return TensorDictModule(net, in_keys=in_keys, out_keys=out_keys)

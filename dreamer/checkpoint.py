@@ -8,10 +8,13 @@ a half-written checkpoint under a real name. Corrupt files are never deleted by 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 PREFIX, SUFFIX = "ckpt-", ".pt"
@@ -107,6 +110,25 @@ def resume_state(run_dir: Path, resume: str) -> tuple[Path, dict] | None:
                 f"(or move {newest.name} away)"
             ) from None
         raise CheckpointError(f"{error}; no intact checkpoint is left in {folder(run_dir)}") from None
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def write_config(run_dir: Path, text: str) -> None:
+    """Saves the resolved config as config.yaml; a different one already there is kept, renamed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    if path.exists() and path.read_text() != text:
+        path.rename(run_dir / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml")
+    path.write_text(text)
 
 
 class GracefulStop:

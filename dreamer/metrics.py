@@ -181,7 +181,7 @@ class Metrics:
             ]
         else:
             parts += [f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                      for k, v in record.items() if k.startswith("eval/")]
+                      for k, v in record.items() if k not in ("kind", "env_steps", "updates", "time")]
         line = "  ".join(parts)
         if self.progress is not None:
             self.progress.console.print(line)

@@ -23,7 +23,7 @@ from dreamer.learner import Learner
 from dreamer.metrics import Metrics
 from dreamer.replay import Replay
 
-EVAL_SEED_OFFSET = 1_000_000
+EVAL_SEED_OFFSET = 1_000_000  # evaluation envs never share a seed with training envs
 
 
 class Every:
@@ -39,16 +39,6 @@ class Every:
         return True
 
 
-def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-
-
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
@@ -62,15 +52,15 @@ def train(cfg: DictConfig) -> None:
     settings = validate(cfg)  # every check that needs no environment or model
     run_dir = Path(cfg.run.dir)
     resumed = checkpoint.resume_state(run_dir, str(cfg.run.resume))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    checkpoint.write_config(run_dir, OmegaConf.to_yaml(cfg, resolve=True))
     print(f"dreamer: run folder {run_dir}; {describe(settings)}", flush=True)
     device = settings.topology.learner
     torch.manual_seed(cfg.seed), np.random.seed(cfg.seed), random.seed(cfg.seed)
 
     envs = [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)]
     layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
-    agent = build_agent(layout, settings.size, settings.loss).to(device)
+    with torch.device(device):  # every parameter and buffer is created where it is used
+        agent = build_agent(layout, settings.size, settings.loss)
     learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16)
     replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
     collector = Collector(envs, agent.policy, layout, settings.size, device)
@@ -85,16 +75,20 @@ def train(cfg: DictConfig) -> None:
         learner.load_state_dict(state["learner"])
         ratio.load_state_dict(state["ratio"])
         counters.update(state["counters"])
-        set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"])
         replay.generator.set_state(state["replay_rng"])
         print(f"dreamer: resumed from {path} at {counters['env_steps']:,} env steps, "
               f"{learner.updates:,} updates", flush=True)
     print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
 
+    def run_eval(kind: str) -> None:
+        record = evaluate(evaluator, cfg.run.eval_episodes)
+        metrics.write(record, counters["env_steps"], learner.updates, kind=kind)
+
     def save() -> None:
         checkpoint.save(run_dir, counters["env_steps"], {
             "learner": learner.state_dict(), "ratio": ratio.state_dict(), "counters": dict(counters),
-            "rng": rng_state(), "replay_rng": replay.generator.get_state()}, cfg.run.keep_checkpoints)
+            "rng": checkpoint.rng_state(), "replay_rng": replay.generator.get_state()}, cfg.run.keep_checkpoints)
 
     should_log = Every(cfg.run.log_every, counters["env_steps"])
     should_eval = Every(cfg.run.eval_every, counters["env_steps"])
@@ -137,8 +131,7 @@ def train(cfg: DictConfig) -> None:
                 metrics.write(record, counters["env_steps"], learner.updates)
             # The last scheduled evaluation is the final one, after the loop.
             if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
-                metrics.write(evaluate(evaluator, cfg.run.eval_episodes), counters["env_steps"],
-                              learner.updates, kind="eval")
+                run_eval("eval")
             if should_save(counters["env_steps"]):
                 save()
 
@@ -146,12 +139,9 @@ def train(cfg: DictConfig) -> None:
         if stop:
             print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
         elif cfg.run.eval_episodes:
-            metrics.write(evaluate(evaluator, cfg.run.eval_episodes), counters["env_steps"],
-                          learner.updates, kind="final_eval")
-    metrics.close()
-    replay.close()
-    collector.close()
-    evaluator.close()
+            run_eval("final_eval")
+    for part in (metrics, replay, collector, evaluator):
+        part.close()
 
 
 def cli() -> None:
