@@ -16,7 +16,7 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import Collector
-from dreamer.config import ConfigError, check_overrides, describe, torch_threads, validate
+from dreamer.config import ConfigError, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate
 from dreamer.learner import Learner
@@ -50,6 +50,7 @@ def main(cfg: DictConfig) -> None:
 
 def train(cfg: DictConfig) -> None:
     settings = validate(cfg)  # every check that needs no environment or model
+    set_threads(cfg.run.threads, settings.topology.learner)
     run_dir = Path(cfg.run.dir)
     resumed = checkpoint.resume_state(run_dir, str(cfg.run.resume))
     checkpoint.write_config(run_dir, OmegaConf.to_yaml(cfg, resolve=True))
@@ -146,7 +147,6 @@ def train(cfg: DictConfig) -> None:
 
 def cli() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-    torch_threads()
     try:
         check_overrides(sys.argv[1:])
         main()

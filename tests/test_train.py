@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dreamer.config import group_options
 from tests.conftest import ROOT, run_train
 
 SMOKE = ["+debug=smoke"]
@@ -105,3 +106,11 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(workdir):
     result = run_train(args + [f"run.resume={older}", "run.steps=320"], workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "128 env steps" in result.stdout
+
+
+@pytest.mark.parametrize("preset", group_options("exp"))
+def test_every_preset_trains_a_few_updates(workdir, preset):
+    result = run_train([f"+exp={preset}", "+debug=smoke", "run.name=p", "run.steps=128", "run.eval_every=0"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(workdir / "runs" / "p")
+    assert max(r["updates"] for r in records) > 0 and records[-1]["kind"] == "final_eval"
