@@ -4,19 +4,30 @@ Record t of an env holds the carry that the policy had before seeing o[t] (state
 action a[t-1], is_init) and, under `next`, o[t] with the reward and done flags that arrived with it.
 The policy turns it into z[t], h[t], a[t]; a[t] goes to the env, or the env is reset when o[t] ended
 the episode. The layout is the one `dreamer.agent` documents.
+
+Faults: an env that raises in `step` or `reset` is closed and rebuilt; its episode ends as truncated at
+the last good observation (repeated once with done set, reward 0), so replay never joins two episodes.
+`max_restarts` failures in a row of the same env stop collection with a CollectionError. Non-finite
+observations or rewards stop it at once: they mean the env is broken, not unlucky.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase, ExplorationType, set_exploration_type
 
-from dreamer.agent import ActingPolicy, EnvLayout, ModelSize, IMAGE_KEY
+from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
 FLAGS = ("done", "terminated")
+LOG_PREFIX = "log_"
+
+
+class CollectionError(RuntimeError):
+    """Collection cannot go on; the message is one line for the user."""
 
 
 @dataclass
@@ -24,25 +35,33 @@ class Episode:
     env: int
     score: float
     length: int
+    truncated_by_fault: bool = False
+    stats: dict[str, float] = field(default_factory=dict)  # the env's log_<name> flags at the end
 
 
 class Collector:
-    """Drives a list of envs with the acting policy (random exploration, or its mode for evaluation)."""
+    """Drives envs with the acting policy (random exploration, or the policy's mode for evaluation)."""
 
     def __init__(
         self,
         envs: list[EnvBase],
+        rebuild: Callable[[int], EnvBase],
         policy: ActingPolicy,
         layout: EnvLayout,
         size: ModelSize,
         device: torch.device,
         explore: bool = True,
+        suite: str = "env",
+        max_restarts: int = 10,
     ):
         self.envs = envs
+        self.rebuild = rebuild
         self.policy = policy
         self.layout = layout
         self.device = torch.device(device)
         self.explore = explore
+        self.suite = suite
+        self.max_restarts = max_restarts
         self.keys = list(layout.vector_keys) + ([IMAGE_KEY] if layout.image_shape is not None else [])
         n = len(envs)
         self.carry = TensorDict(
@@ -56,8 +75,12 @@ class Collector:
         self.is_init = torch.ones(n, 1, dtype=torch.bool)
         self.scores = [0.0] * n
         self.lengths = [0] * n
+        self.env_steps = [0] * n  # steps of each env since the collector started, for error messages
+        self.failures = [0] * n  # failures in a row, per env
+        self.faulted = [False] * n
+        self.restarts = 0
 
-    def _observe(self, td: TensorDictBase, first: bool) -> TensorDictBase:
+    def _observe(self, td: TensorDictBase, first: bool, index: int) -> TensorDictBase:
         out = td.select(*self.keys).clone()
         if first:
             out.set("reward", torch.zeros(1))
@@ -67,7 +90,68 @@ class Collector:
             out.set("reward", td.get("reward").float().reshape(1))
             for flag in FLAGS:
                 out.set(flag, td.get(flag).reshape(1))
+        for key in [*self.keys, "reward"]:
+            value = out.get(key)
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise CollectionError(
+                    f"{self.suite} env {index} returned a non-finite {key} (nan or inf) at its step "
+                    f"{self.env_steps[index]}; the environment is broken: fix it or its settings"
+                )
         return out
+
+    def _count_failure(self, index: int, error: Exception) -> None:
+        self.failures[index] += 1
+        self.restarts += 1
+        if self.failures[index] >= self.max_restarts:
+            reason = str(error).splitlines()[0] if str(error) else ""
+            raise CollectionError(
+                f"{self.suite} env {index} failed {self.failures[index]} times in a row, last with "
+                f"{type(error).__name__}: {reason}; stopping"
+            )
+
+    def _replace(self, index: int) -> None:
+        try:
+            self.envs[index].close()
+        except Exception:  # a broken env may not close cleanly; it is replaced either way
+            pass
+        self.envs[index] = self.rebuild(index)
+
+    def _fail(self, index: int, error: Exception) -> None:
+        """Rebuilds an env whose step raised and ends its episode as truncated (module docstring)."""
+        self._count_failure(index, error)
+        self._replace(index)
+        self.states[index] = None
+        last = self.observed[index].clone()
+        last.set("reward", torch.zeros(1))
+        last.set("done", torch.ones(1, dtype=torch.bool))
+        last.set("terminated", torch.zeros(1, dtype=torch.bool))
+        self.observed[index] = last
+        self.faulted[index] = True
+
+    def _reset(self, index: int) -> None:
+        self.states[index] = self.envs[index].reset()
+        self.observed[index] = self._observe(self.states[index], first=True, index=index)
+        self.is_init[index] = True
+
+    def _reset_or_rebuild(self, index: int) -> None:
+        """Resets env `index`, rebuilding it while its reset raises (up to max_restarts in a row)."""
+        while True:
+            try:
+                self._reset(index)
+                return
+            except CollectionError:
+                raise
+            except Exception as error:
+                self._count_failure(index, error)
+                self._replace(index)
+
+    def reset(self) -> None:
+        self.states = [None] * len(self.envs)
+        self.observed = [None] * len(self.envs)
+        for index in range(len(self.envs)):
+            self._reset_or_rebuild(index)
+        self.scores = [0.0] * len(self.envs)
+        self.lengths = [0] * len(self.envs)
 
     def _env_action(self, env: EnvBase, action: torch.Tensor) -> torch.Tensor:
         spec = env.action_spec
@@ -80,12 +164,16 @@ class Collector:
             return action.to(spec.dtype)
         return (low + (action + 1.0) * 0.5 * (high - low)).to(spec.dtype)
 
-    def reset(self) -> None:
-        self.states = [env.reset() for env in self.envs]
-        self.observed = [self._observe(state, first=True) for state in self.states]
-        self.is_init.fill_(True)
-        self.scores = [0.0] * len(self.envs)
-        self.lengths = [0] * len(self.envs)
+    def _end_episode(self, index: int) -> Episode:
+        stats = {}
+        state = self.states[index]
+        if state is not None:
+            for key in state.keys():
+                if isinstance(key, str) and key.startswith(LOG_PREFIX):
+                    stats[key[len(LOG_PREFIX):]] = float(state.get(key).float().mean())
+        episode = Episode(index, self.scores[index], self.lengths[index], self.faulted[index], stats)
+        self.scores[index], self.lengths[index], self.faulted[index] = 0.0, 0, False
+        return episode
 
     def step(self) -> tuple[TensorDictBase, list[Episode]]:
         """One step of every env: returns the records [n envs] (host) and the episodes that ended."""
@@ -102,16 +190,23 @@ class Collector:
         for i, env in enumerate(self.envs):
             self.scores[i] += float(self.observed[i].get("reward"))
             self.lengths[i] += 1
-            if bool(self.observed[i].get("done")):
-                episodes.append(Episode(i, self.scores[i], self.lengths[i]))
-                self.scores[i], self.lengths[i] = 0.0, 0
-                self.states[i] = env.reset()
-                self.observed[i] = self._observe(self.states[i], first=True)
-                self.is_init[i] = True
-            else:
-                self.states[i].set("action", self._env_action(env, action[i]))
-                self.states[i] = env.step(self.states[i]).get("next")
-                self.observed[i] = self._observe(self.states[i], first=False)
+            self.env_steps[i] += 1
+            ended = bool(self.observed[i].get("done"))
+            if ended:
+                episodes.append(self._end_episode(i))
+            try:
+                if ended:
+                    self._reset_or_rebuild(i)
+                else:
+                    self.states[i].set("action", self._env_action(env, action[i]))
+                    self.states[i] = env.step(self.states[i]).get("next")
+                    self.observed[i] = self._observe(self.states[i], first=False, index=i)
+                    self.is_init[i] = False
+                    self.failures[i] = 0
+            except CollectionError:
+                raise
+            except Exception as error:  # the env broke: rebuild it, truncate its episode
+                self._fail(i, error)
                 self.is_init[i] = False
         self.carry = TensorDict(
             state=acted.get("state"), belief=acted.get("belief"), action=action, batch_size=[len(self.envs)]

@@ -25,6 +25,31 @@ def _eta(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
+def summarize_episodes(episodes: list) -> dict[str, float]:
+    """Means over the episodes of a log period: return, length, and each logged flag as a success rate.
+
+    When the env logs achievements (Crafter), also the Crafter score: the geometric mean of the success
+    rates in percent, exp(mean(ln(1 + s))) - 1.
+    """
+    if not episodes:
+        return {}
+    count = len(episodes)
+    record = {
+        "episode/return": sum(e.score for e in episodes) / count,
+        "episode/length": sum(e.length for e in episodes) / count,
+        "episode/count": count,
+        "episode/fault_truncated": sum(e.truncated_by_fault for e in episodes),
+    }
+    names = sorted({name for e in episodes for name in e.stats})
+    for name in names:
+        record[f"episode/{name}"] = sum(e.stats.get(name, 0.0) for e in episodes) / count
+    achievements = [record[f"episode/{n}"] for n in names if n.startswith("achievement_")]
+    if achievements:
+        record["episode/crafter_score"] = math.exp(
+            sum(math.log(1 + 100 * rate) for rate in achievements) / len(achievements)) - 1
+    return record
+
+
 class Rates:
     """env steps/s and updates/s over the span since the previous call."""
 

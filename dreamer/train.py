@@ -15,12 +15,12 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import Collector
+from dreamer.collect import CollectionError, Collector
 from dreamer.config import ConfigError, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate
 from dreamer.learner import Learner
-from dreamer.metrics import Metrics
+from dreamer.metrics import Metrics, summarize_episodes
 from dreamer.replay import Replay
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation envs never share a seed with training envs
@@ -46,6 +46,13 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, checkpoint.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except RunError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(3)
+
+
+class RunError(RuntimeError):
+    """The run cannot go on after it started (a checkpoint has been saved); one line for the user."""
 
 
 def train(cfg: DictConfig) -> None:
@@ -64,9 +71,11 @@ def train(cfg: DictConfig) -> None:
         agent = build_agent(layout, settings.size, settings.loss)
     learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16)
     replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
-    collector = Collector(envs, agent.policy, layout, settings.size, device)
-    evaluator = Collector([make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)], agent.policy, layout,
-                          settings.size, device, explore=False)
+    collector = Collector(envs, lambda i: make_env(cfg.env, cfg.seed, i), agent.policy, layout, settings.size,
+                          device, suite=cfg.env.suite)
+    evaluator = Collector([make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)],
+                          lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy, layout,
+                          settings.size, device, explore=False, suite=cfg.env.suite)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps counts env steps collected while replay is ready, so refilling replay after a
     # resume does not pile up a burst of owed updates.
@@ -97,15 +106,19 @@ def train(cfg: DictConfig) -> None:
     metrics = Metrics(run_dir, cfg.run.steps, counters["env_steps"], learner.updates,
                       wandb=OmegaConf.to_container(cfg.logger) if cfg.logger.wandb else None,
                       name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True))
-    episode_scores: list[float] = []
+    window: list = []  # episodes ended since the last metrics record
     with checkpoint.GracefulStop() as stop:
         while counters["env_steps"] < cfg.run.steps and not stop:
-            records, episodes = collector.step()
+            try:
+                records, episodes = collector.step()
+            except CollectionError as error:
+                save()
+                raise RunError(f"{error} (checkpoint saved at {counters['env_steps']:,} env steps)") from None
             replay.add(records)
             counters["env_steps"] += cfg.run.envs
+            counters["episodes"] += len(episodes)
+            window += episodes
             for episode in episodes:
-                counters["episodes"] += 1
-                episode_scores.append(episode.score)
                 metrics.episode(episode.score)
 
             if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
@@ -124,11 +137,8 @@ def train(cfg: DictConfig) -> None:
 
             metrics.tick(counters["env_steps"])
             if should_log(counters["env_steps"]):
-                record = learner.drain()
-                if episode_scores:
-                    record.update({"episode/return": float(np.mean(episode_scores)),
-                                   "episode/count": counters["episodes"]})
-                    episode_scores.clear()
+                record = {**learner.drain(), **summarize_episodes(window), "env/restarts": collector.restarts}
+                window.clear()
                 metrics.write(record, counters["env_steps"], learner.updates)
             # The last scheduled evaluation is the final one, after the loop.
             if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:

@@ -80,6 +80,8 @@ def test_sigterm_saves_and_the_same_command_resumes(workdir):
         (["replay.size=10"], "replay.size=10 is smaller than one batch of sequences"),
         (["topology.learner=cuda:3"], "device cuda:3 does not exist"),
         (["env.task=NoSuchTask-v0"], "unknown gym task 'NoSuchTask-v0'; available:"),
+        (["+exp=minecraft"], "MineRL is not installed here: run inside the Docker image"),
+        (["run.threads=0"], "run.threads must be auto or a positive integer"),
     ],
 )
 def test_bad_input_gets_one_line_and_a_nonzero_exit(workdir, args, message):
@@ -108,9 +110,36 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(workdir):
     assert "resumed from" in result.stdout and "128 env steps" in result.stdout
 
 
-@pytest.mark.parametrize("preset", group_options("exp"))
+# Every preset whose environment installs here (MineRL does not: see the bad-input test above).
+RUNNABLE = [p for p in group_options("exp") if p != "minecraft"]
+FAST = {"emulated": ["env.step_latency=0.001"], "crafter": ["env.max_episode_steps=100"],
+        "atari": ["env.max_episode_steps=100"], "atari100k": ["env.max_episode_steps=100"]}
+
+
+@pytest.mark.parametrize("preset", RUNNABLE)
 def test_every_preset_trains_a_few_updates(workdir, preset):
-    result = run_train([f"+exp={preset}", "+debug=smoke", "run.name=p", "run.steps=128", "run.eval_every=0"], workdir)
+    args = [f"+exp={preset}", "+debug=smoke", "run.name=p", "run.steps=128", "run.eval_every=0", *FAST.get(preset, [])]
+    result = run_train(args, workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(workdir / "runs" / "p")
     assert max(r["updates"] for r in records) > 0 and records[-1]["kind"] == "final_eval"
+
+
+def test_a_failing_env_is_restarted_and_the_run_goes_on(workdir):
+    args = ["+exp=emulated", "+debug=smoke", "run.name=flaky", "run.steps=192", "run.eval_every=0",
+            "env.step_latency=0.001", "env.fail_every=25", "run.log_every=64"]
+    result = run_train(args, workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in _records(workdir / "runs" / "flaky") if r["kind"] == "train"]
+    assert records[-1]["env/restarts"] >= 4  # 2 envs x 96 steps, a fault every 25 steps of each
+    assert sum(r.get("episode/fault_truncated", 0) for r in records) >= 2
+
+
+def test_ten_failures_in_a_row_stop_the_run_with_a_checkpoint(workdir):
+    args = ["+exp=emulated", "+debug=smoke", "run.name=broken", "env.step_latency=0.001", "env.fail_every=1"]
+    result = run_train(args, workdir)
+    assert result.returncode == 3
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "emulated env 0 failed 10 times in a row" in lines[0]
+    assert "injected fault" in lines[0] and "checkpoint saved at" in lines[0]
+    assert _checkpoints(workdir / "runs" / "broken")

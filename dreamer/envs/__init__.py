@@ -1,8 +1,10 @@
 """Environments: `make_env(env_cfg, seed, index)` returns a torchrl EnvBase with the project's key layout.
 
-Every suite gives observations (flat float vectors and/or `pixels` [3, H, W] uint8), `reward` [1] float32,
-and `done` / `terminated` / `truncated` [1] bool. Episode boundaries (`is_init`) and the latent carry are
-added by the collector, not here.
+Every suite gives observations (flat float32 vectors and/or `pixels` [C, H, W] uint8), `reward` [1]
+float32, and `done` / `terminated` / `truncated` [1] bool; discrete actions are one-hot (OneHot spec),
+continuous ones lie in [-1, 1]. Entries named `log_<name>` (bool [1], e.g. an achievement unlocked in the
+current episode) are not observations: the collector reads them at the end of each episode for logging.
+Episode boundaries (`is_init`) and the latent carry are added by the collector, not here.
 """
 
 from __future__ import annotations
@@ -12,8 +14,15 @@ import importlib
 from omegaconf import DictConfig
 from torchrl.envs import EnvBase
 
-# suite name -> module in this package exposing make(env_cfg, seed, index) and TASKS (or None: any task)
-SUITES = {"gym": "gym"}
+# suite name -> module in this package exposing make(env_cfg, seed) and check_task(task)
+SUITES = {
+    "gym": "gym",
+    "crafter": "crafter",
+    "dmc": "dmc",
+    "atari": "atari",
+    "minecraft": "minecraft",
+    "emulated": "emulated",
+}
 
 
 class EnvConfigError(ValueError):
