@@ -33,7 +33,7 @@ def _worker(env_cfg: dict, seed: int, seconds: float, start, results) -> None:
     for _ in range(20):  # warm-up: first resets and steps are slower
         td = env.rand_step(td)
         td = env.reset() if bool(td.get(("next", "done"))) else td.get("next")
-    start.wait()
+    start.wait(timeout=900)
     steps, begin = 0, time.perf_counter()
     while time.perf_counter() - begin < seconds:
         td = env.rand_step(td)
@@ -50,7 +50,7 @@ def measure(env_cfg: dict, workers: int, seconds: float) -> dict:
     processes = [context.Process(target=_worker, args=(env_cfg, i, seconds, start, results)) for i in range(workers)]
     for p in processes:
         p.start()
-    start.wait()
+    start.wait(timeout=900)  # a worker that dies before the start breaks the barrier instead of hanging
     rates = [results.get(timeout=seconds + 600) for _ in processes]
     for p in processes:
         p.join()
