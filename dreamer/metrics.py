@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ class WandbSink:
         if mode == "auto":
             mode = "online" if self._has_key() else "offline"
         id_file = run_dir / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
         kwargs = dict(
             project=settings.get("project"),

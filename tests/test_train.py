@@ -72,7 +72,7 @@ def test_sigterm_saves_and_the_same_command_resumes(workdir):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["+exp=nope"], "unknown preset 'nope'; available: acrobot, pendulum"),
+        (["+exp=nope"], "unknown preset 'nope'; available: acrobot, atari, atari100k, crafter"),
         (["model=size3m"], "unknown model size 'size3m'; available: size100m, size12m"),
         (["batch_length=1"], "batch_length must be at least 2"),
         (["batch_size=0"], "batch_size must be at least 1"),
@@ -112,7 +112,7 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_offered(workdir):
 
 # Every preset whose environment installs here (MineRL does not: see the bad-input test above).
 RUNNABLE = [p for p in group_options("exp") if p != "minecraft"]
-FAST = {"emulated": ["env.step_latency=0.001"], "crafter": ["env.max_episode_steps=100"],
+FAST = {"emulated": ["env.step_latency=0.001", "env.max_episode_steps=100"], "crafter": ["env.max_episode_steps=100"],
         "atari": ["env.max_episode_steps=100"], "atari100k": ["env.max_episode_steps=100"]}
 
 
