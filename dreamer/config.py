@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from dreamer.agent import LossSettings, ModelSize
 from dreamer.envs import EnvConfigError, check_task
 from dreamer.learner import OptimizerSettings
-from dreamer.topology import Topology, resolve_topology
+from dreamer.topology import Topology, resolve_topology, sweep_job_number
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _GROUP_NAMES = {"exp": "preset", "model": "model size", "env": "env suite", "topology": "topology",
@@ -50,6 +50,27 @@ def check_overrides(argv: list[str], config_dir: Path = CONFIG_DIR) -> None:
                 raise ConfigError(f"unknown {name} '{option}'; available: {', '.join(options)}")
 
 
+def check_composes(argv: list[str], config_dir: Path = CONFIG_DIR) -> None:
+    """Composes the config as Hydra will (first value of each sweep), so that an unknown key or a bad
+    value fails in one line before any job starts."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg or arg.lstrip("+~").startswith("hydra"):
+            continue
+        key, value = arg.split("=", 1)
+        if "," in value and not value.startswith(("[", "{", "${", "'", '"')):
+            value = value.split(",")[0]  # a sweep: its first job's value
+        overrides.append(f"{key}={value}")
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise ConfigError(" ".join(lines[:2]) if lines else type(error).__name__) from None
+
+
 @dataclass(frozen=True)
 class Settings:
     """Typed values the builders take; derived once from the config."""
@@ -72,7 +93,23 @@ def _flag(value, default: bool, name: str) -> bool:
     raise ConfigError(f"{name} must be auto, true or false, got {value!r}")
 
 
+INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
+            "run.eval_every", "run.eval_episodes", "run.save_every", "run.keep_checkpoints", "replay.size",
+            "optimizer.warmup", "loss.imag_length")
+NUMBERS = ("run.train_ratio", "optimizer.lr", "optimizer.eps", "optimizer.agc", "loss.horizon", "loss.lmbda")
+
+
+def _check_types(cfg: DictConfig) -> None:
+    for key in INTEGERS + NUMBERS:
+        value = OmegaConf.select(cfg, key)
+        allowed = (int,) if key in INTEGERS else (int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            kind = "an integer" if key in INTEGERS else "a number"
+            raise ConfigError(f"{key} must be {kind}, got {value!r}")
+
+
 def validate(cfg: DictConfig) -> Settings:
+    _check_types(cfg)
     if cfg.batch_size < 1:
         raise ConfigError(f"batch_size must be at least 1, got {cfg.batch_size}")
     if cfg.batch_length < 2:
@@ -104,7 +141,7 @@ def validate(cfg: DictConfig) -> Settings:
     except EnvConfigError as error:
         raise ConfigError(str(error)) from None
     try:
-        topology = resolve_topology(cfg.topology)
+        topology = resolve_topology(cfg.topology, sweep_job_number())
     except ValueError as error:
         raise ConfigError(str(error)) from None
     cuda = topology.learner.type == "cuda"

@@ -1,15 +1,26 @@
-"""Evaluation episodes with the policy's mode (no exploration noise)."""
+"""Evaluation episodes with the policy's mode (no exploration noise).
+
+As a command:  python -m dreamer.evaluate RUN_DIR [--episodes N] [--checkpoint PATH] [--no-video]
+loads the run's config.yaml and its newest checkpoint, runs N episodes, and writes
+RUN_DIR/eval/eval-<env steps>.json (returns, lengths, checkpoint) and, for image environments,
+RUN_DIR/eval/eval-<env steps>.mp4 (the episodes' frames, in order).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import statistics
+import sys
+from pathlib import Path
 
-from dreamer.collect import Collector
+import torch
+
+from dreamer.collect import Collector, Episode
 
 
-def evaluate(collector: Collector, episodes: int) -> dict[str, float]:
-    """Runs `episodes` episodes on the evaluation envs; returns the metrics record."""
-    finished = collector.run_episodes(episodes)
+def summarize(finished: list[Episode]) -> dict[str, float]:
     scores = [e.score for e in finished]
     return {
         "eval/return_mean": statistics.fmean(scores),
@@ -18,3 +29,97 @@ def evaluate(collector: Collector, episodes: int) -> dict[str, float]:
         "eval/length_mean": statistics.fmean(e.length for e in finished),
         "eval/episodes": len(finished),
     }
+
+
+def evaluate(collector: Collector, episodes: int) -> dict[str, float]:
+    """Runs `episodes` episodes on the evaluation envs; returns the metrics record."""
+    return summarize(collector.run_episodes(episodes))
+
+
+def run_with_frames(collector: Collector, episodes: int) -> tuple[list[Episode], list[torch.Tensor]]:
+    """Like Collector.run_episodes on one env, also returning its image frames [C, H, W] (if any)."""
+    collector.reset()
+    finished, frames = [], []
+    while len(finished) < episodes:
+        record, ended = collector.step()
+        if ("next", "pixels") in record.keys(True):
+            frames.append(record.get(("next", "pixels"))[0])
+        finished.extend(ended)
+    return finished[:episodes], frames
+
+
+def write_video(path: Path, frames: list[torch.Tensor], fps: int = 30) -> None:
+    import imageio.v2 as imageio
+
+    with imageio.get_writer(path, fps=fps, codec="libx264", macro_block_size=1) as writer:
+        for frame in frames:
+            image = frame.permute(1, 2, 0).numpy()
+            writer.append_data(image.repeat(3, -1) if image.shape[-1] == 1 else image)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dreamer.evaluate", description=__doc__.splitlines()[2])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--episodes", type=int, default=5)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
+    parser.add_argument("--no-video", action="store_true")
+    args = parser.parse_args(argv)
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+
+    from omegaconf import OmegaConf
+
+    from dreamer import checkpoint
+    from dreamer.agent import EnvLayout, build_agent
+    from dreamer.config import ConfigError, validate
+    from dreamer.envs import make_env
+
+    run_dir = args.run_dir
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        print(f"error: {run_dir} is not a run folder (no config.yaml); pass the folder a training run wrote",
+              file=sys.stderr)
+        return 2
+    path = args.checkpoint or next(reversed(checkpoint.list_checkpoints(run_dir)), None)
+    if path is None:
+        print(f"error: {run_dir} has no checkpoint yet (none in {checkpoint.folder(run_dir)}); "
+              "train longer or pass --checkpoint PATH", file=sys.stderr)
+        return 2
+    if args.episodes < 1:
+        print(f"error: --episodes must be at least 1, got {args.episodes}", file=sys.stderr)
+        return 2
+    try:
+        state = checkpoint.load(path)
+        cfg = OmegaConf.load(config)
+        settings = validate(cfg)
+    except (checkpoint.CheckpointError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    device = settings.topology.learner
+    env = make_env(cfg.env, cfg.seed + 2_000_000)
+    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
+    with torch.device(device):
+        agent = build_agent(layout, settings.size, settings.loss)
+    agent.loss.load_state_dict(state["learner"]["loss"])
+    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 2_000_000), agent.policy, layout,
+                          settings.size, device, explore=False, suite=cfg.env.suite)
+    finished, frames = run_with_frames(collector, args.episodes)
+    collector.close()
+    out = run_dir / "eval"
+    out.mkdir(exist_ok=True)
+    stem = f"eval-{state['step']:012d}"
+    result = {**summarize(finished), "checkpoint": str(path), "env_steps": state["step"],
+              "returns": [e.score for e in finished], "lengths": [e.length for e in finished]}
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{args.episodes} episodes from {path.name}: mean return {result['eval/return_mean']:.2f} "
+          f"(min {result['eval/return_min']:.2f}, max {result['eval/return_max']:.2f}) -> {out / stem}.json")
+    if frames and not args.no_video:
+        write_video(out / f"{stem}.mp4", frames)
+        print(f"video of {len(frames)} frames -> {out / stem}.mp4")
+    elif not frames:
+        print("no video: this environment has no image observation")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,10 +36,25 @@ def _device(spec: str) -> torch.device:
     return device
 
 
-def resolve_topology(cfg: DictConfig) -> Topology:
+def sweep_job_number() -> int | None:
+    """The job number inside a Hydra multirun, None otherwise."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        config = HydraConfig.get()
+        return int(config.job.num) if config.mode == RunMode.MULTIRUN else None
+    except (ValueError, ImportError, AttributeError):  # not inside a Hydra job
+        return None
+
+
+def resolve_topology(cfg: DictConfig, job: int | None = None) -> Topology:
+    """`auto` puts the learner on cuda:0, or in a sweep on GPU (job number mod GPU count), so parallel
+    jobs of a joblib sweep on one node each get their own GPU."""
     learner = cfg.learner
     if learner == "auto":
-        learner = "cuda:0" if torch.cuda.is_available() else "cpu"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        learner = f"cuda:{(job or 0) % count}" if count else "cpu"
     device = _device(str(learner))
     name = cfg.name if cfg.name != "auto" else ("1gpu" if device.type == "cuda" else "cpu")
     return Topology(name=name, learner=device)

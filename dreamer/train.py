@@ -16,7 +16,7 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError, Collector
-from dreamer.config import ConfigError, check_overrides, describe, set_threads, validate
+from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate
 from dreamer.learner import Learner
@@ -159,6 +159,7 @@ def cli() -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     try:
         check_overrides(sys.argv[1:])
+        check_composes(sys.argv[1:])
         main()
     except (ConfigError, checkpoint.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

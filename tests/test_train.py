@@ -82,6 +82,8 @@ def test_sigterm_saves_and_the_same_command_resumes(workdir):
         (["env.task=NoSuchTask-v0"], "unknown gym task 'NoSuchTask-v0'; available:"),
         (["+exp=minecraft"], "MineRL is not installed here: run inside the Docker image"),
         (["run.threads=0"], "run.threads must be auto or a positive integer"),
+        (["batch_size=abc"], "batch_size must be an integer, got 'abc'"),
+        (["run.nope=3"], "Could not override 'run.nope'. To append to your config use +run.nope=3"),
     ],
 )
 def test_bad_input_gets_one_line_and_a_nonzero_exit(workdir, args, message):

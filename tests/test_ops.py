@@ -1,0 +1,69 @@
+"""Evaluation command, sweep summary and learning-curve plot, on real (tiny) runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import imageio.v2 as imageio
+
+from tests.conftest import ROOT, run_train
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+def _python(args, cwd):
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_evaluate_writes_returns_and_a_video_that_decodes(workdir):
+    args = ["+exp=emulated", "+debug=smoke", "run.name=ev", "run.eval_every=0", "env.step_latency=0",
+            "env.max_episode_steps=30"]
+    assert run_train(args, workdir).returncode == 0
+    result = _python(["-m", "dreamer.evaluate", "runs/ev", "--episodes", "2"], workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = workdir / "runs" / "ev" / "eval"
+    record = json.loads((out / "eval-000000000256.json").read_text())
+    assert record["eval/episodes"] == 2 and len(record["returns"]) == 2 and record["lengths"] == [31, 31]
+    reader = imageio.get_reader(out / "eval-000000000256.mp4")
+    frames = [frame for frame in reader]
+    assert len(frames) == 62 and frames[0].shape == (64, 64, 3)
+
+
+def test_evaluate_without_a_checkpoint_says_so_in_one_line(workdir):
+    (workdir / "run").mkdir()
+    (workdir / "run" / "config.yaml").write_text("seed: 0\n")
+    result = _python(["-m", "dreamer.evaluate", "run"], workdir)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "run has no checkpoint yet" in lines[0]
+    result = _python(["-m", "dreamer.evaluate", "nowhere"], workdir)
+    assert result.returncode == 2 and "is not a run folder" in result.stderr
+
+
+def test_a_joblib_sweep_makes_one_run_folder_per_job_and_a_summary(workdir):
+    result = run_train(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "+debug=smoke", "seed=0,1",
+                        "run.eval_every=0", "run.steps=128"], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = (workdir / "runs" / "sweeps").iterdir()
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"] and all((sweep / j / "checkpoints").is_dir() for j in jobs)
+    table = _python([str(ROOT / "scripts" / "summarize.py"), str(sweep)], workdir)
+    assert table.returncode == 0, table.stderr
+    rows = table.stdout.strip().splitlines()[2:]
+    assert len(rows) == 2 and "seed=0" in rows[0] and "seed=1" in rows[1]
+
+    plot = _python([str(ROOT / "scripts" / "plot.py"), str(sweep / "0"), str(sweep / "1"), "--out", "c.png",
+                    "--metric", "eval/return_mean"], workdir)
+    assert plot.returncode == 0, plot.stderr
+    assert (workdir / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_key_in_a_sweep_fails_before_any_job(workdir):
+    result = run_train(["-m", "hydra/launcher=joblib", "+debug=smoke", "run.nope=1,2"], workdir)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Could not override 'run.nope'" in lines[0]
+    assert not (workdir / "runs").exists()
