@@ -72,7 +72,6 @@ class WandbSink:
     def __init__(self, settings: dict, run_dir: Path, name: str, config: dict):
         import wandb
 
-        self.wandb = wandb
         mode = settings.get("mode", "auto")
         if mode == "auto":
             mode = "online" if self._has_key() else "offline"

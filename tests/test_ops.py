@@ -67,3 +67,14 @@ def test_an_unknown_key_in_a_sweep_fails_before_any_job(workdir):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Could not override 'run.nope'" in lines[0]
     assert not (workdir / "runs").exists()
+
+
+def test_benchmark_and_baseline_scripts_run(workdir):
+    bench = _python([str(ROOT / "scripts" / "bench_envs.py"), "--suite", "emulated", "--workers", "1,2",
+                     "--seconds", "0.5", "step_latency=0.01"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = [json.loads(line) for line in bench.stdout.strip().splitlines()]
+    assert [r["workers"] for r in rows] == [1, 2]
+    assert all(0 < r["per_worker"] <= 100 for r in rows)  # 10 ms per step: at most 100 steps/s each
+    baseline = _python([str(ROOT / "scripts" / "random_return.py"), "gym", "CartPole-v1", "5"], workdir)
+    assert baseline.returncode == 0 and "random policy mean return" in baseline.stdout
