@@ -274,6 +274,8 @@ class Networks:
     critic: TensorDictSequential
     policy: ActingPolicy
     reconstruction: tuple[list, list, list]  # targets, predictions, symlog flags for the model loss
+    prior: RSSMPriorV3  # shared with the world model: imagination and open-loop predictions
+    image_decoder: ImageDecoder | None
 
     def parameter_count(self) -> int:
         """World model, actor and critic (shared modules counted once)."""
@@ -329,8 +331,9 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
         targets.append("vector_target")
         predictions.append("reco_vector")
         use_symlog.append(True)
-    if layout.image_shape is not None:
-        parts.append(_module(ImageDecoder(layout, size), features, [("next", "reco_pixels")]))
+    image_decoder = ImageDecoder(layout, size) if layout.image_shape is not None else None
+    if image_decoder is not None:
+        parts.append(_module(image_decoder, features, [("next", "reco_pixels")]))
         targets.append(IMAGE_KEY)
         predictions.append("reco_pixels")
         use_symlog.append(False)
@@ -388,7 +391,8 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
     )
     acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
     policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
-    return Networks(world_model, dream, continuation, actor, critic, policy, (targets, predictions, use_symlog))
+    return Networks(world_model, dream, continuation, actor, critic, policy, (targets, predictions, use_symlog),
+                    prior, image_decoder)
 
 
 def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:

@@ -3,7 +3,8 @@
 As a command:  python -m dreamer.evaluate RUN_DIR [--episodes N] [--checkpoint PATH] [--no-video]
 loads the run's config.yaml and its newest checkpoint, runs N episodes, and writes
 RUN_DIR/eval/eval-<env steps>.json (returns, lengths, checkpoint) and, for image environments,
-RUN_DIR/eval/eval-<env steps>.mp4 (the episodes' frames, in order).
+RUN_DIR/eval/eval-<env steps>.mp4 (the episodes' frames, in order) and eval-<env steps>-openloop.mp4
+(real frames beside the world model's open-loop predictions of the first episode).
 """
 
 from __future__ import annotations
@@ -36,16 +37,43 @@ def evaluate(collector: Collector, episodes: int) -> dict[str, float]:
     return summarize(collector.run_episodes(episodes))
 
 
-def run_with_frames(collector: Collector, episodes: int) -> tuple[list[Episode], list[torch.Tensor]]:
-    """Like Collector.run_episodes on one env, also returning its image frames [C, H, W] (if any)."""
+def run_with_frames(collector: Collector, episodes: int) -> tuple[list[Episode], list[torch.Tensor], list]:
+    """Like Collector.run_episodes on one env, also returning its image frames [C, H, W] (if any) and the
+    replay records of the first episode."""
     collector.reset()
-    finished, frames = [], []
+    finished, frames, first = [], [], []
     while len(finished) < episodes:
         record, ended = collector.step()
         if ("next", "pixels") in record.keys(True):
             frames.append(record.get(("next", "pixels"))[0])
+        if not finished:
+            first.append(record[0])
         finished.extend(ended)
-    return finished[:episodes], frames
+    return finished[:episodes], frames, first
+
+
+@torch.no_grad()
+def open_loop(networks, records: list, context: int = 5, horizon: int = 45) -> list[torch.Tensor]:
+    """Real frames beside the world model's open-loop predictions: the posterior sees `context` steps,
+    then the prior alone rolls forward with the episode's real actions for up to `horizon` steps.
+
+    Record t holds the carry before o[t] and the action a[t-1] that led to it (see dreamer.agent), so the
+    prediction of o[t] is decode(prior(z[t-1], h[t-1], a[t-1])).
+    """
+    steps = min(len(records), context + horizon)
+    if networks.image_decoder is None or steps <= context:
+        return []
+    sequence = torch.stack(records[:steps]).unsqueeze(0)
+    device = next(networks.world_model.parameters()).device
+    seen = networks.world_model(sequence[:, :context].to(device))
+    state, belief = seen.get(("next", "state"))[:, -1], seen.get(("next", "belief"))[:, -1]
+    frames = []
+    for t in range(context, steps):
+        _, state, belief = networks.prior(state, belief, sequence.get("action")[:, t].to(device))
+        predicted = (networks.image_decoder(state, belief)[0].clamp(0, 1) * 255).to(torch.uint8).cpu()
+        real = sequence.get(("next", "pixels"))[0, t]
+        frames.append(torch.cat([real, predicted], dim=-1))  # side by side: [C, H, 2W]
+    return frames
 
 
 def write_video(path: Path, frames: list[torch.Tensor], fps: int = 30) -> None:
@@ -103,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     agent.loss.load_state_dict(state["learner"]["loss"])
     collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 2_000_000), agent.policy, layout,
                           settings.size, device, explore=False, suite=cfg.env.suite)
-    finished, frames = run_with_frames(collector, args.episodes)
+    finished, frames, first = run_with_frames(collector, args.episodes)
     collector.close()
     out = run_dir / "eval"
     out.mkdir(exist_ok=True)
@@ -116,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if frames and not args.no_video:
         write_video(out / f"{stem}.mp4", frames)
         print(f"video of {len(frames)} frames -> {out / stem}.mp4")
+        predictions = open_loop(agent.networks, first)
+        if predictions:
+            write_video(out / f"{stem}-openloop.mp4", predictions, fps=10)
+            print(f"open-loop predictions (real | predicted), {len(predictions)} frames -> {out / stem}-openloop.mp4")
     elif not frames:
         print("no video: this environment has no image observation")
     return 0

@@ -30,6 +30,10 @@ def test_evaluate_writes_returns_and_a_video_that_decodes(workdir):
     reader = imageio.get_reader(out / "eval-000000000256.mp4")
     frames = [frame for frame in reader]
     assert len(frames) == 62 and frames[0].shape == (64, 64, 3)
+    # Open loop: 5 context steps, then predictions for the rest of the first (31-record) episode,
+    # each frame the real image beside the predicted one.
+    predicted = [frame for frame in imageio.get_reader(out / "eval-000000000256-openloop.mp4")]
+    assert len(predicted) == 26 and predicted[0].shape == (64, 128, 3)
 
 
 def test_evaluate_without_a_checkpoint_says_so_in_one_line(workdir):
