@@ -13,7 +13,7 @@ import math
 from concurrent.futures import Future
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.data import (
     LazyTensorStorage,
     ReplayBufferEnsemble,
