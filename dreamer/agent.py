@@ -110,16 +110,18 @@ class EnvLayout:
     image_shape: tuple[int, int, int] | None  # (C, H, W) uint8 under IMAGE_KEY
     action_dim: int
     discrete: bool
+    vector_sizes: tuple[int, ...] = ()  # width of each vector key
 
     @classmethod
     def from_specs(cls, observation_spec: Composite, action_spec: TensorSpec) -> EnvLayout:
-        vector_keys, vector_dim, image_shape = [], 0, None
+        vector_keys, vector_sizes, vector_dim, image_shape = [], [], 0, None
         for key in sorted(observation_spec.keys()):
             spec = observation_spec[key]
             if key == IMAGE_KEY:
                 image_shape = tuple(spec.shape[-3:])
             elif spec.dtype.is_floating_point and spec.ndim == 1:
                 vector_keys.append(key)
+                vector_sizes.append(int(spec.shape[-1]))
                 vector_dim += spec.shape[-1]
         if not vector_keys and image_shape is None:
             raise ValueError(
@@ -127,7 +129,8 @@ class EnvLayout:
                 f"vectors, got {list(observation_spec.keys())}"
             )
         discrete = "OneHot" in type(action_spec).__name__
-        return cls(tuple(vector_keys), vector_dim, image_shape, int(action_spec.shape[-1]), discrete)
+        return cls(tuple(vector_keys), vector_dim, image_shape, int(action_spec.shape[-1]), discrete,
+                   tuple(vector_sizes))
 
 
 class Encoder(nn.Module):
@@ -276,6 +279,14 @@ class Networks:
     reconstruction: tuple[list, list, list]  # targets, predictions, symlog flags for the model loss
     prior: RSSMPriorV3  # shared with the world model: imagination and open-loop predictions
     image_decoder: ImageDecoder | None
+    # The same modules as plain tensor-in, tensor-out networks, for the learner's fused step.
+    encoder: Encoder
+    posterior: RSSMPosteriorV3
+    vector_decoder: VectorDecoder | None
+    reward_head: Head
+    continue_head: Head
+    critic_head: Head
+    actor_net: nn.Module  # discrete: log-probabilities (unimix); continuous: (mean, std)
 
     def parameter_count(self) -> int:
         """World model, actor and critic (shared modules counted once)."""
@@ -325,8 +336,9 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
         rollout,
     ]
     targets, predictions, use_symlog = [], [], []
-    if layout.vector_keys:
-        parts.append(_module(VectorDecoder(layout, size), features, [("next", "reco_vector")]))
+    vector_decoder = VectorDecoder(layout, size) if layout.vector_keys else None
+    if vector_decoder is not None:
+        parts.append(_module(vector_decoder, features, [("next", "reco_vector")]))
         # The loss compares each vector key with its slice of the prediction.
         targets.append("vector_target")
         predictions.append("reco_vector")
@@ -373,9 +385,11 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
         actor = DreamerV3DiscreteActor(
             size.feature, layout.action_dim, depth=size.actor_layers, num_cells=size.units, unimix=size.unimix
         )
+        actor_net = actor.module[0].module
     else:
+        actor_net = ContinuousActor(size, layout.action_dim)
         actor = ProbabilisticTensorDictSequential(
-            _module(ContinuousActor(size, layout.action_dim), ["state", "belief"], ["loc", "scale"]),
+            _module(actor_net, ["state", "belief"], ["loc", "scale"]),
             ProbabilisticTensorDictModule(
                 in_keys=["loc", "scale"],
                 out_keys=["action"],
@@ -385,14 +399,16 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
                 log_prob_key="action_log_prob",
             ),
         )
+    critic_head = Head(size, size.bins, size.critic_layers, outscale=0.0)
     critic = TensorDictSequential(
-        _module(Head(size, size.bins, size.critic_layers, outscale=0.0), ["state", "belief"], ["state_value_logits"]),
+        _module(critic_head, ["state", "belief"], ["state_value_logits"]),
         _module(SymExpTwoHot(size.bins), ["state_value_logits"], ["state_value"]),
     )
     acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
     policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
     return Networks(world_model, dream, continuation, actor, critic, policy, (targets, predictions, use_symlog),
-                    prior, image_decoder)
+                    prior, image_decoder, encoder, posterior, vector_decoder, reward_net, continue_net, critic_head,
+                    actor_net)
 
 
 def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:

@@ -152,8 +152,8 @@ def validate(cfg: DictConfig) -> Settings:
     model["mults"] = tuple(model["mults"])
     return Settings(
         topology=topology,
-        # auto: no whole-step compile yet; torchrl's compiled step warms up for minutes, for ~5 % speed.
-        compile=_flag(cfg.run.compile, False, "run.compile"),
+        # auto: compile on CUDA (the step's pieces compile in about a minute, BENCHMARKS.md), not on CPU.
+        compile=_flag(cfg.run.compile, cuda, "run.compile"),
         cudagraph=_flag(cfg.run.cudagraph, cuda, "run.cudagraph") and cuda,
         bf16=cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cuda),
         size=ModelSize(**model),

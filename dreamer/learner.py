@@ -1,21 +1,52 @@
-"""The learner: DreamerV3's losses, LaProp-order optimizer with adaptive gradient clipping, slow critic.
+"""The learner: one DreamerV3 update as a single step, compiled and captured as one CUDA graph on a GPU.
 
-One `update(batch)` = world-model loss, imagination, actor and critic losses, replay value loss,
-backward, optimizer step and the soft update of the slow critic. At this stage the step is torchrl's
-DreamerV3OptimizationStepper (compile and CUDA graph on request); metrics stay on the device and are
-summed there until `drain()` reads them once per log period.
+One `update(batch)` = world-model loss (RSSM scan over the sequence, KL, reconstruction, reward and
+continue heads), imagination from every posterior state, actor (REINFORCE + entropy) and critic losses,
+replay value loss, backward, the LaProp-order optimizer step with adaptive gradient clipping, and the
+soft update of the slow critic. The losses are those of torchrl's DreamerV3Loss, term for term and with
+the same random draws in the same order (tests/test_learner.py checks losses and gradients against it);
+the step is ours because torchrl's stepper leaves too much on the table on a GPU:
+
+- tensors only in the hot path (no TensorDict), so compiled regions trace in seconds, not minutes;
+- whatever does not depend on the recurrence leaves the scan: the action and observation projections run
+  once on the whole [B, T] batch, the prior head and every decoder after the scan; imagination runs
+  without autograd (its gradients are not used: the actor is trained by REINFORCE on stopped states);
+- the RSSM cell, the imagination step, the loss tail and the optimizer are compiled separately
+  (`torch.compile`, fixed shapes), the random draws stay outside them so compiled and eager agree;
+- the whole update, optimizer and slow critic included, is captured as one CUDA graph over static
+  buffers: no host synchronization inside; metrics are summed on the device and read through a pinned
+  buffer and an event once per log period.
+
+On CPU the same code runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
-from tensordict import TensorDictBase
-from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
+import torch.nn.functional as F
+from tensordict import TensorDict, TensorDictBase
+from torchrl.modules.models.model_based import (
+    _dreamer_v3_block_gru_update,
+    _straight_through_categorical,
+    _unimix_probs,
+    two_hot_cross_entropy,
+    two_hot_decode,
+)
+from torchrl.objectives import symexp, symlog
+from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
-from dreamer.agent import Agent
+from dreamer.agent import IMAGE_KEY, Agent
+
+METRICS = (
+    "loss_model_reco", "loss_model_reward", "loss_model_dynamic", "loss_model_representation",
+    "loss_model_continue", "loss_actor", "loss_value", "loss_replay_value",
+    "actor_entropy", "return_low", "return_high", "return_scale", "continuation_mean", "value_slow_loss",
+    "replay_value", "grad_norm",
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +57,80 @@ class OptimizerSettings:
     warmup: int = 1000
     beta1: float = 0.9
     beta2: float = 0.999
+    parameter_norm_min: float = 1e-3
+
+
+class LaProp:
+    """LaProp (RMS-normalize, then momentum) with adaptive gradient clipping and linear lr warm-up.
+
+    The same update as torchrl's DreamerV3Optimizer, with its step counter and every schedule value on
+    the device so that the step can sit inside a CUDA graph. Parameters without a gradient are skipped.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings):
+        self.params = params
+        self.settings = settings
+        device = params[0].device
+        self.rms = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.momentum = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        # float64: the bias corrections 1 - beta**step lose 1e-5 of their value in float32 early on.
+        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Applies one update; returns the global gradient norm before clipping (a device scalar)."""
+        s = self.settings
+        index = [i for i, g in enumerate(grads) if g is not None]
+        params = [self.params[i] for i in index]
+        grads = [grads[i].float() for i in index]
+        rms = [self.rms[i] for i in index]
+        momentum = [self.momentum[i] for i in index]
+        self.step_count += 1
+        step = self.step_count
+        warmup = ((step - 1) / s.warmup).clamp(max=1.0) if s.warmup else torch.ones_like(step)
+        lr = (s.lr * warmup).float()
+        correction2 = (1 - s.beta2**step).float()
+        scale = (-lr / (1 - s.beta1**step)).float()
+        grad_norms = torch._foreach_norm(grads)
+        grad_norm = torch.linalg.vector_norm(torch.stack(grad_norms))
+        if s.agc:
+            param_norms = torch._foreach_norm([p.detach().float() for p in params])
+            torch._foreach_clamp_min_(param_norms, s.parameter_norm_min)
+            limits = torch._foreach_mul(param_norms, s.agc)
+            scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
+            grads = torch._foreach_mul(grads, scales)
+        torch._foreach_mul_(rms, s.beta2)
+        torch._foreach_addcmul_(rms, grads, grads, value=1 - s.beta2)
+        denominator = torch._foreach_sqrt(torch._foreach_div(rms, correction2))
+        torch._foreach_add_(denominator, s.eps)
+        torch._foreach_mul_(momentum, s.beta1)
+        torch._foreach_add_(momentum, torch._foreach_div(grads, denominator), alpha=1 - s.beta1)
+        updates = torch._foreach_mul(momentum, scale)
+        torch._foreach_add_(params, updates)
+        return grad_norm
+
+    def state_dict(self) -> dict:
+        return {"rms": self.rms, "momentum": self.momentum, "step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.rms, [t.to(r) for t, r in zip(state["rms"], self.rms)])
+            torch._foreach_copy_(self.momentum, [t.to(m) for t, m in zip(state["momentum"], self.momentum)])
+            self.step_count.copy_(state["step"])
+
+
+class _Compiled:
+    """A function that is compiled once its learner asks for it (`torch.compile`, fixed shapes)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+
+    def enable(self) -> None:
+        self.compiled = torch.compile(self.fn, dynamic=False)
+
+    def __call__(self, *args):
+        return (self.compiled or self.fn)(*args)
 
 
 class Learner:
@@ -40,64 +145,539 @@ class Learner:
     ):
         self.agent = agent
         self.device = torch.device(device)
-        self.optimizer = DreamerV3Optimizer(
-            agent.loss.parameters(),
-            lr=optimizer.lr,
-            agc=optimizer.agc,
-            eps=optimizer.eps,
-            beta1=optimizer.beta1,
-            beta2=optimizer.beta2,
-            warmup_steps=optimizer.warmup,
-        )
-        self.stepper = DreamerV3OptimizationStepper(
-            agent.loss,
-            self.optimizer,
-            agent.slow_critic,
-            compile_train_step=compile,
-            cudagraph=cudagraph,
-            mixed_precision=bf16,
-        )
+        if cudagraph and self.device.type != "cuda":
+            raise ValueError("a CUDA graph needs a CUDA learner device")
+        self.compile, self.cudagraph, self.bf16 = compile, cudagraph, bf16 and self.device.type == "cuda"
+        nets, loss = agent.networks, agent.loss
+        self.nets, self.loss = nets, loss
+        self.layout, self.size = agent.layout, agent.size
+        self.params = [p for p in loss.parameters() if p.requires_grad]
+        self.optimizer = LaProp(self.params, optimizer)
+        # The slow critic: the value loss's target parameters, by the critic head's own names.
+        targets = loss.value_loss.target_value_model_params.flatten_keys(".")
+        prefix = "module.0.module."
+        self.critic_params = dict(nets.critic_head.named_parameters())
+        self.slow_params = {name[len(prefix):]: targets[name] for name in targets.keys() if name.startswith(prefix)}
+        if set(self.slow_params) != set(self.critic_params):
+            raise RuntimeError("the slow critic's parameters do not match the critic head's")
+        self.slow_list = [self.slow_params[n] for n in self.critic_params]
+        self.critic_list = list(self.critic_params.values())
+        self.tau = 1.0 - float(agent.slow_critic.eps)  # SoftUpdate: target <- lerp(target, source, 1 - eps)
+        self.reward_bins = loss.model_loss.reward_bins
+        self.value_bins = loss.value_loss.value_bins
+        estimator = loss.actor_loss.value_estimator
+        self.gamma, self.lmbda = estimator.gamma.to(self.device), estimator.lmbda.to(self.device)
+        self.retnorm = loss.actor_loss.retnorm
+        self._cell = _Compiled(self._cell_fn)
+        self._imagine_actor = _Compiled(self._actor_fn)
+        self._imagine_prior = _Compiled(self._prior_fn)
+        self._tail = _Compiled(self._tail_fn)
+        self._optimize = _Compiled(self._optimize_fn)
+        self._specs = self._tap_specs()
+        self._eps = self.nets.prior.rnn.belief_projection[1].eps
         self.needs_warmup = compile or cudagraph
         self.updates = 0
-        self._sums: dict[str, torch.Tensor] = {}
-        self._count = 0
+        self._sums = torch.zeros(len(METRICS), device=self.device)
+        self._count = torch.zeros((), device=self.device)
+        self._pinned = torch.zeros(len(METRICS) + 1, pin_memory=self.device.type == "cuda")
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ---- inputs ----------------------------------------------------------------------------------
+
+    def _inputs(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
+        """The tensors of one [B, T] batch the step reads, by name."""
+        nxt = batch.get("next")
+        shape = batch.batch_size
+        inputs = {
+            "state": batch.get("state")[:, 0].contiguous(),
+            "belief": batch.get("belief")[:, 0].contiguous(),
+            "action": batch.get("action").float(),
+            "is_init": batch.get("is_init").reshape(*shape, 1),
+            "reward": nxt.get("reward").reshape(*shape, 1).float(),
+            "done": nxt.get("done").reshape(*shape, 1),
+            "terminated": nxt.get("terminated").reshape(*shape, 1),
+        }
+        for key in self.layout.vector_keys:
+            inputs[key] = nxt.get(key)
+        if self.layout.image_shape is not None:
+            inputs[IMAGE_KEY] = nxt.get(IMAGE_KEY)
+        return inputs
+
+    # ---- the compiled pieces -----------------------------------------------------------------------
+
+    # Tapped operations. Inside the scan every weight is a detached copy in the compute dtype (cast once
+    # per update, not once per step), and a zero "tap" is added to each output; the gradient that reaches
+    # a tap is the stacked output gradient dY of all steps, so each weight gradient is one matmul over all
+    # B x T rows after the backward pass instead of T small ones plus T - 1 accumulations.
+
+    def _tap_specs(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter | None, int]]:
+        """(kind, weight, bias, width of the output) of each tapped operation of the scan, in order."""
+        rnn, post = self.nets.prior.rnn, self.nets.posterior.obs_rnn_to_post_projector
+        specs = []
+        for projection in (rnn.belief_projection, rnn.state_projection):
+            specs.append(("linear", projection[0].weight, projection[0].bias, projection[0].out_features))
+            specs.append(("norm", projection[1].weight, None, projection[0].out_features))
+        for i in range(0, len(rnn.hidden_layers), 3):
+            block, norm = rnn.hidden_layers[i], rnn.hidden_layers[i + 1]
+            specs.append(("block", block.weight, block.bias, block.out_features))
+            specs.append(("norm", norm.weight, None, block.out_features))
+        specs.append(("block", rnn.gates.weight, rnn.gates.bias, rnn.gates.out_features))
+        specs.append(("belief_columns", post[0].weight, None, post[0].out_features))
+        for i in range(1, len(post) - 1, 3):
+            specs.append(("norm", post[i].weight, None, post[i].weight.shape[0]))
+            if i + 2 < len(post) - 1:
+                specs.append(("linear", post[i + 2].weight, post[i + 2].bias, post[i + 2].out_features))
+        specs.append(("linear", post[-1].weight, post[-1].bias, post[-1].out_features))
+        return specs
+
+    def _scan_weights(self, dtype: torch.dtype) -> list[tuple]:
+        """The tapped operations' weights, detached, in the compute dtype (norm scales stay float32)."""
+        weights = []
+        for kind, weight, bias, _ in self._specs:
+            if kind == "norm":
+                weights.append((weight.detach().float(), None))
+            elif kind == "belief_columns":
+                weights.append((weight.detach()[:, : self.size.deter].to(dtype), None))
+            else:
+                weights.append((weight.detach().to(dtype), bias.detach().to(dtype)))
+        return weights
+
+    @staticmethod
+    def _linear(x, weight, bias, tap, records):
+        if records is not None:
+            records.append(x.detach())
+        y = F.linear(x, weight, bias)
+        return y if tap is None else y + tap
+
+    @staticmethod
+    def _block(x, weight, bias, tap, records):
+        """Block-diagonal linear on x [B, blocks, in / blocks] -> [B, out]."""
+        if records is not None:
+            records.append(x.detach())
+        y = torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
+        y = y.reshape(x.shape[0], -1) + bias.to(y.dtype)
+        return y if tap is None else y + tap
+
+    def _norm_silu(self, y, scale, tap, records):
+        xhat = F.rms_norm(y.float(), (y.shape[-1],), None, self._eps)
+        if records is not None:
+            records.append(xhat.detach())
+        out = (xhat * scale).to(y.dtype)
+        return F.silu(out if tap is None else out + tap)
+
+    def _gru(self, state, belief, action_features, weights, taps, records):
+        """h' = f(z, h, a): the block GRU of the prior, on tapped operations (torchrl's arithmetic)."""
+        n = iter(range(len(weights)))
+        parts = []
+        for x in (belief, state):
+            i, j = next(n), next(n)
+            y = self._linear(x, *weights[i], taps[i], records)
+            parts.append(self._norm_silu(y, weights[j][0], taps[j], records))
+        features = torch.cat([*parts, action_features], -1)
+        blocks = self.nets.prior.rnn.num_blocks
+        grouped = belief.reshape(belief.shape[0], blocks, -1)
+        hidden = torch.cat([grouped, features.unsqueeze(-2).expand(-1, blocks, -1)], -1)
+        for _ in range(len(self.nets.prior.rnn.hidden_layers) // 3):
+            i, j = next(n), next(n)
+            y = self._block(hidden, *weights[i], taps[i], records)
+            hidden = self._norm_silu(y, weights[j][0], taps[j], records).reshape(belief.shape[0], blocks, -1)
+        i = next(n)
+        gates = self._block(hidden, *weights[i], taps[i], records)
+        reset, candidate, update = gates.reshape(belief.shape[0], blocks, 3, -1).unbind(-2)
+        reset = reset.flatten(-2).sigmoid()
+        candidate = (reset * candidate.flatten(-2)).tanh()
+        update = (update.flatten(-2) - 1.0).sigmoid()
+        return update * candidate + (1 - update) * belief, next(n)
+
+    def _cell_fn(self, state, belief, action_features, embed_part, reset, uniform, weights, taps):
+        """One RSSM step on the posterior path: h[t] = f(z[t-1], h[t-1], a[t-1]), z[t] ~ q(h[t], e[t]).
+
+        Returns (h[t], posterior logits, z[t], the tapped operations' inputs)."""
+        records = []
+        state = torch.where(reset, 0, state)
+        belief = torch.where(reset, 0, belief)
+        belief, i = self._gru(state, belief, action_features, weights, taps, records)
+        y = self._linear(belief, weights[i][0], None, taps[i], records) + embed_part
+        post = self.nets.posterior.obs_rnn_to_post_projector
+        for _ in range(1, len(post) - 1, 3):
+            i += 1
+            y = self._norm_silu(y, weights[i][0], taps[i], records)
+            if i + 1 < len(weights) - 1:
+                i += 1
+                y = self._linear(y, *weights[i], taps[i], records)
+        i += 1
+        logits = self._linear(y, *weights[i], taps[i], records)
+        logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
+        state = _straight_through_categorical(logits, self.nets.posterior.unimix, uniform)
+        return belief, logits, state.flatten(-2), records
+
+    def _scan_grads(self, tap_grads, records) -> dict:
+        """Each tapped weight's gradient from the stacked output gradients and the stacked inputs."""
+        grads = {}
+        for (kind, weight, bias, _), dy, x in zip(self._specs, tap_grads, records):
+            rows = dy.reshape(-1, dy.shape[-1])
+            if kind == "norm":
+                grads[weight] = (rows.float() * x.reshape(-1, x.shape[-1])).sum(0)
+                continue
+            if kind == "block":
+                blocks = weight.shape[0]
+                inputs = x.reshape(-1, blocks, x.shape[-1]).transpose(0, 1).to(rows.dtype)
+                outputs = rows.reshape(-1, blocks, rows.shape[-1] // blocks).transpose(0, 1)
+                grads[weight] = torch.bmm(inputs.transpose(1, 2), outputs).float()
+            else:
+                grads[weight] = (rows.t() @ x.reshape(-1, x.shape[-1]).to(rows.dtype)).float()
+            if bias is not None:
+                grads[bias] = rows.float().sum(0)
+        return grads
+
+    def _actor_fn(self, state, belief):
+        """Imagination: the actor's distribution parameters at (state, belief)."""
+        if self.layout.discrete:
+            logits = self.nets.actor_net(state, belief)
+            return logits - logits.logsumexp(-1, keepdim=True), None
+        return self.nets.actor_net(state, belief)
+
+    def _prior_fn(self, state, belief, action, uniform, weights):
+        """Imagination: one prior step with a given uniform draw."""
+        rnn = self.nets.prior.rnn
+        action_features = rnn.action_projection(action / action.detach().abs().clamp_min(1))
+        taps = [None] * len(weights)
+        belief, _ = self._gru(state, belief, action_features, weights, taps, None)
+        logits = self.nets.prior.rnn_to_prior_projector(belief)
+        logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
+        state = _straight_through_categorical(logits, self.nets.prior.unimix, uniform)
+        return state.flatten(-2), belief
+
+    def _critic(self, state, belief, slow: bool = False):
+        if slow:
+            return torch.func.functional_call(self.nets.critic_head, self.slow_params, (state, belief))
+        return self.nets.critic_head(state, belief)
+
+    def _tail_fn(self, inputs, states, beliefs, post_logits, img_states, img_beliefs, img_actions):
+        """Every loss after the two recurrences, on whole tensors; returns (total, metrics)."""
+        nets, settings = self.nets, self.loss
+        shape = beliefs.shape[:2]
+        # ---- world model ----
+        prior_logits = nets.prior.rnn_to_prior_projector(beliefs)
+        prior_logits = prior_logits.view(*prior_logits.shape[:-1], self.size.stoch, self.size.classes)
+        dynamic, representation = categorical_kl_terms(post_logits, prior_logits, free_nats=settings.model_loss.free_bits,
+                                                       unimix=settings.model_loss.unimix)
+        reco = 0.0
+        if nets.vector_decoder is not None:
+            target = torch.cat([inputs[k].float() for k in self.layout.vector_keys], -1)
+            error = symlog(target) - symlog(nets.vector_decoder(states, beliefs))
+            reco = reco + error.pow(2).reshape(*shape, -1).sum(-1).mean()
+        if nets.image_decoder is not None:
+            error = inputs[IMAGE_KEY].float() / 255.0 - nets.image_decoder(states, beliefs)
+            reco = reco + error.pow(2).reshape(*shape, -1).sum(-1).mean()
+        reward_loss = two_hot_cross_entropy(nets.reward_head(states, beliefs), inputs["reward"], self.reward_bins).mean()
+        continue_target = (~inputs["terminated"]).float().squeeze(-1)
+        continue_loss = F.binary_cross_entropy_with_logits(nets.continue_head(states, beliefs).squeeze(-1), continue_target)
+        mloss = settings.model_loss
+        losses = {
+            "loss_model_reco": mloss.lambda_reco * reco,
+            "loss_model_reward": mloss.lambda_reward * reward_loss,
+            "loss_model_dynamic": mloss.lambda_kl * mloss.lambda_dynamic * dynamic,
+            "loss_model_representation": mloss.lambda_kl * mloss.lambda_representation * representation,
+            "loss_model_continue": mloss.lambda_continue * continue_loss,
+        }
+
+        # ---- imagination targets (no gradient): states 0..H, actions 0..H-1 ----
+        gamma, lmbda = self.gamma, self.lmbda
+        with torch.no_grad():
+            next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
+            reward = two_hot_decode(nets.reward_head(next_s, next_b), self.reward_bins).unsqueeze(-1)
+            value_logits_all = self._critic(img_states, img_beliefs)
+            next_value = two_hot_decode(value_logits_all[:, 1:], self.value_bins).unsqueeze(-1)
+            continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
+            continuation = continuation_all[:, 1:]
+            root_continuation = continuation_all[:, :-1]
+            returns, next_return = [], next_value[:, -1]
+            for t in reversed(range(next_value.shape[1])):
+                next_return = reward[:, t] + gamma * continuation[:, t] * (
+                    (1 - lmbda) * next_value[:, t] + lmbda * next_return)
+                returns.append(next_return)
+            lambda_target = torch.stack(returns[::-1], 1)  # [N, H, 1]
+            discount = torch.cat([root_continuation[:, :1], gamma * root_continuation[:, 1:]], 1).cumprod(1)
+            # Return normalization: EMA of the 5th / 95th percentiles of the targets.
+            retnorm = self.retnorm
+            low, high = torch.quantile(lambda_target.reshape(-1, 1), retnorm._q.to(lambda_target), dim=0)
+            retnorm.low.lerp_(low, retnorm.rate)
+            retnorm.high.lerp_(high, retnorm.rate)
+            return_scale = retnorm.scale().squeeze(-1)
+            baseline = two_hot_decode(value_logits_all[:, :-1], self.value_bins).unsqueeze(-1)
+            advantage = (lambda_target - baseline) / return_scale
+
+        # ---- actor: REINFORCE on stopped states, plus entropy ----
+        root_s, root_b = img_states[:, :-1], img_beliefs[:, :-1]
+        alosses = settings.actor_loss
+        if self.layout.discrete:
+            logits = nets.actor_net(root_s, root_b)
+            logits = logits - logits.logsumexp(-1, keepdim=True)
+            log_prob = logits.gather(-1, img_actions.argmax(-1, keepdim=True))
+            probs = torch.softmax(logits, -1)
+            entropy = -(logits.clamp(min=torch.finfo(logits.dtype).min) * probs).sum(-1, keepdim=True)
+        else:
+            mean, std = nets.actor_net(root_s, root_b)
+            normal = torch.distributions.Normal(mean, std, validate_args=False)
+            log_prob = normal.log_prob(img_actions).sum(-1, keepdim=True)
+            entropy = normal.entropy().sum(-1, keepdim=True)
+        actor_loss = -(discount * log_prob * advantage).mean()
+        entropy = (discount * entropy).mean()
+        losses["loss_actor"] = actor_loss - alosses.entropy_bonus * entropy
+
+        # ---- critic on imagined states, regularized toward the slow critic ----
+        vloss = settings.value_loss
+        value_logits = self._critic(root_s, root_b)
+        target = lambda_target.squeeze(-1)
+        weight = discount.squeeze(-1)
+        loss = two_hot_cross_entropy(value_logits, target, self.value_bins)
+        with torch.no_grad():
+            slow_value = two_hot_decode(self._critic(root_s, root_b, slow=True), self.value_bins)
+        slow_loss = two_hot_cross_entropy(value_logits, slow_value, self.value_bins)
+        losses["loss_value"] = (weight * (loss + vloss.slow_critic_regularization * slow_loss)).mean()
+
+        # ---- critic on the replay sequence (trains the representation too) ----
+        with torch.no_grad():
+            bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]
+            done, terminated = inputs["done"], inputs["terminated"]
+            next_value = bootstrap[:, 1:] * (~terminated[:, 1:]).float()
+            replay_reward, replay_done = inputs["reward"][:, 1:], done[:, 1:].float()
+            replay_gamma = 1 - 1 / settings.continuation_horizon
+            g, out = next_value[:, -1], []
+            for t in reversed(range(next_value.shape[1])):
+                g = g * (1 - replay_done[:, t]) + next_value[:, t] * replay_done[:, t]
+                g = replay_reward[:, t] + replay_gamma * ((1 - settings.lmbda) * next_value[:, t] + settings.lmbda * g)
+                out.append(g)
+            replay_target = torch.stack(out[::-1], 1).squeeze(-1)  # [B, T-1]
+            replay_weight = (~done[:, :-1].squeeze(-1)).float()
+        replay_logits = self._critic(states, beliefs)[:, :-1]
+        replay_loss = two_hot_cross_entropy(replay_logits, replay_target, self.value_bins)
+        with torch.no_grad():
+            slow_replay = two_hot_decode(self._critic(states, beliefs, slow=True), self.value_bins)[:, :-1]
+        replay_loss = replay_loss + vloss.slow_critic_regularization * two_hot_cross_entropy(
+            replay_logits, slow_replay, self.value_bins)
+        replay_value = (replay_weight * replay_loss).mean()
+        losses["loss_replay_value"] = settings.replay_value_loss_weight * replay_value
+
+        total = sum(losses.values())
+        metrics = {
+            **losses,
+            "actor_entropy": entropy.detach(),
+            "return_low": retnorm.low.squeeze(-1).clone(),
+            "return_high": retnorm.high.squeeze(-1).clone(),
+            "return_scale": return_scale.detach(),
+            "continuation_mean": continuation.mean(),
+            "value_slow_loss": (weight * slow_loss).mean().detach(),
+            "replay_value": replay_value.detach(),
+        }
+        return total, metrics
+
+    def _optimize_fn(self, grads):
+        grad_norm = self.optimizer.step(grads)
+        torch._foreach_lerp_(self.slow_list, [p.detach() for p in self.critic_list], self.tau)
+        return grad_norm
+
+    # ---- the update ------------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One whole update on named input tensors; returns the posterior (state, belief) [B, T, ...]."""
+        total, metrics, states, beliefs, scan = self._losses(inputs)
+        metrics["grad_norm"] = self._optimize(self._gradients(total, scan))
+        values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
+                              for k in METRICS]).detach()
+        self._sums += values
+        self._count += 1
+        return states.detach().float(), beliefs.detach().float()
+
+    def _gradients(self, total: torch.Tensor, scan: tuple[list, list]) -> list[torch.Tensor | None]:
+        """d total / d params, aligned with self.params: autograd for everything, plus the scan's taps."""
+        taps, records = scan
+        grads = torch.autograd.grad(total, [*self.params, *taps], allow_unused=True)
+        by_param = dict(zip(self.params, grads[: len(self.params)]))
+        for param, grad in self._scan_grads(grads[len(self.params):], records).items():
+            current = by_param[param]
+            if grad.shape != param.shape:  # the posterior's first layer: only its belief columns are tapped
+                current = torch.zeros_like(param) if current is None else current.clone()
+                current[:, : grad.shape[1]] += grad
+                grad = current
+            elif current is not None:
+                grad = grad + current
+            by_param[param] = grad
+        return [by_param[p] for p in self.params]
+
+    def _losses(self, inputs: dict[str, torch.Tensor]):
+        """The forward pass: (total loss, metrics, posterior states, posterior beliefs, (taps, records))."""
+        nets = self.nets
+        batch, length = inputs["action"].shape[:2]
+        with self._autocast():
+            dtype = torch.bfloat16 if self.bf16 else torch.float32
+            weights = self._scan_weights(dtype)
+            # Everything that does not depend on the recurrence runs once on the whole batch.
+            observations = [inputs[k] for k in self.layout.vector_keys]
+            if self.layout.image_shape is not None:
+                observations.append(inputs[IMAGE_KEY])
+            embed = nets.encoder(*observations)
+            reset = inputs["is_init"]
+            action = torch.where(reset, 0, inputs["action"])
+            action_features = nets.prior.rnn.action_projection(action / action.detach().abs().clamp_min(1))
+            first = nets.posterior.obs_rnn_to_post_projector[0]
+            embed_part = F.linear(embed, first.weight[:, self.size.deter:], first.bias)
+            uniforms = torch.rand(length, 2, batch, self.size.stoch, device=self.device)
+            taps = [torch.zeros(length, batch, width, dtype=dtype, device=self.device, requires_grad=True)
+                    for _, _, _, width in self._specs]
+            tap_steps = [tap.unbind(0) for tap in taps]
+            state, belief = inputs["state"], inputs["belief"]
+            if self.compile:  # a carry that always requires grad: one compiled variant of the cell, not two
+                state, belief = state.detach().requires_grad_(), belief.detach().requires_grad_()
+            beliefs, logits, states, records = [], [], [], []
+            for t in range(length):
+                belief, logit, state, inputs_t = self._cell(
+                    state, belief, action_features[:, t], embed_part[:, t], reset[:, t], uniforms[t, 1], weights,
+                    [steps[t] for steps in tap_steps])
+                beliefs.append(belief), logits.append(logit), states.append(state), records.append(inputs_t)
+            beliefs, states, post_logits = torch.stack(beliefs, 1), torch.stack(states, 1), torch.stack(logits, 1)
+            records = [torch.stack(column) for column in zip(*records)]
+
+            # Imagination from every posterior state, without autograd.
+            with torch.no_grad():
+                s = states.detach().reshape(-1, states.shape[-1])
+                b = beliefs.detach().reshape(-1, beliefs.shape[-1])
+                img_s, img_b, img_a = [s], [b], []
+                for _ in range(self.loss.actor_loss.imagination_horizon):
+                    a = self._sample_action(*self._imagine_actor(s, b))
+                    uniform = torch.rand(s.shape[0], self.size.stoch, device=self.device)
+                    s, b = self._imagine_prior(s, b, a, uniform, weights)
+                    img_s.append(s), img_b.append(b), img_a.append(a)
+                img_s, img_b, img_a = torch.stack(img_s, 1), torch.stack(img_b, 1), torch.stack(img_a, 1)
+
+            targets = {k: v for k, v in inputs.items() if k not in ("state", "belief", "action", "is_init")}
+            total, metrics = self._tail(targets, states, beliefs, post_logits, img_s, img_b, img_a)
+        return total, metrics, states, beliefs, (taps, records)
+
+    def _sample_action(self, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
+        """Actor sampling with the draws of torchrl's distributions (multinomial / standard normal)."""
+        if second is None:  # normalized log-probabilities of a one-hot categorical
+            probs = torch.softmax(first, -1)
+            index = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, True)
+            return F.one_hot(index.squeeze(-1), probs.shape[-1]).to(probs.dtype)
+        noise = torch.empty_like(first).normal_()
+        return first + second * noise
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    def synthetic_batch(self, batch_size: int, length: int) -> TensorDict:
+        """A batch with the shapes and dtypes of a replay sample, for warming up before collection."""
+        layout, size, shape = self.layout, self.size, (batch_size, length)
+        nxt = {"reward": torch.zeros(*shape, 1), "done": torch.zeros(*shape, 1, dtype=torch.bool),
+               "terminated": torch.zeros(*shape, 1, dtype=torch.bool)}
+        for key, width in zip(layout.vector_keys, layout.vector_sizes):
+            nxt[key] = torch.zeros(*shape, width)
+        if layout.image_shape is not None:
+            nxt[IMAGE_KEY] = torch.zeros(*shape, *layout.image_shape, dtype=torch.uint8)
+        is_init = torch.zeros(*shape, 1, dtype=torch.bool)
+        is_init[:, 0] = True
+        action = torch.zeros(*shape, layout.action_dim)
+        action[..., 0] = 1
+        return TensorDict({"state": torch.zeros(*shape, size.latent), "belief": torch.zeros(*shape, size.deter),
+                           "action": action, "is_init": is_init, "next": nxt}, list(shape), device=self.device)
 
     def warmup(self, batch: TensorDictBase) -> float:
-        """Compiles / captures the step on a representative batch; returns the seconds it took."""
+        """Compiles and captures the step on `batch` (its shapes only matter); returns the seconds taken.
+
+        The warm-up updates are undone: parameters, optimizer state, slow critic, return normalization
+        and the random generators are restored afterwards.
+        """
         if not self.needs_warmup:
             return 0.0
         start = time.perf_counter()
-        self.stepper.warmup(batch)
+        saved = self._snapshot()
+        if self.compile:
+            for piece in (self._cell, self._imagine_actor, self._imagine_prior, self._tail, self._optimize):
+                piece.enable()
+        inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
+        if self.cudagraph:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    self._step(inputs)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._outputs = self._step(inputs)
+            self._static = inputs
+        else:
+            self._step(inputs)
+        self._restore(saved)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.needs_warmup = False
         return time.perf_counter() - start
 
     def update(self, batch: TensorDictBase) -> TensorDictBase:
-        """One update on batch [B, T]; writes the refreshed posterior to batch["replay_context"]."""
-        metrics = self.stepper.step(None, batch)
+        """One update on batch [B, T]; writes the refreshed posterior to batch["replay_context"].
+
+        With a CUDA graph the posterior tensors are the graph's outputs: valid until the next update.
+        """
+        if self.needs_warmup:
+            raise RuntimeError("call warmup(batch) before the first update when compiling or capturing")
+        if self._graph is not None:
+            for key, value in self._inputs(batch).items():
+                self._static[key].copy_(value, non_blocking=True)
+            self._graph.replay()
+            state, belief = self._outputs
+        else:
+            state, belief = self._step({k: v.to(self.device) for k, v in self._inputs(batch).items()})
         self.updates += 1
-        self._count += 1
-        for key, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.detach().reshape(())
-                if key in self._sums:
-                    self._sums[key] += value
-                else:
-                    self._sums[key] = value.clone().float()
+        batch.set("replay_context", TensorDict({"state": state, "belief": belief}, batch.batch_size))
         return batch
 
     def drain(self) -> dict[str, float]:
-        """Mean of each metric since the last drain (one host read for all of them)."""
-        if not self._count:
+        """Mean of each metric since the last drain: one copy to pinned memory, then a wait on its event."""
+        self._pinned[: len(METRICS)].copy_(self._sums, non_blocking=True)
+        self._pinned[len(METRICS)].copy_(self._count, non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            event.synchronize()  # waits for the queued updates up to here, not for the device
+        self._sums.zero_()
+        self._count.zero_()
+        count = float(self._pinned[-1])
+        if not count:
             return {}
-        keys = sorted(self._sums)
-        values = (torch.stack([self._sums[k] for k in keys]) / self._count).tolist()
-        self._sums, self._count = {}, 0
-        return {f"train/{k}": v for k, v in zip(keys, values)}
+        return {f"train/{k}": float(v) / count for k, v in zip(METRICS, self._pinned[:-1].tolist())}
+
+    def _snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tensors = [*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,
+                   *self.slow_list, self.retnorm.low, self.retnorm.high, self._sums, self._count]
+        rng = torch.get_rng_state(), (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        return [(t, t.detach().clone()) for t in tensors], rng
+
+    def _restore(self, saved) -> None:
+        tensors, (cpu_rng, cuda_rng) = saved
+        with torch.no_grad():
+            for tensor, value in tensors:
+                tensor.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, self.device)
 
     def state_dict(self) -> dict:
-        return {"loss": self.agent.loss.state_dict(), "stepper": self.stepper.state_dict(), "updates": self.updates}
+        return {"loss": self.loss.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
-        self.agent.loss.load_state_dict(state["loss"])
-        self.stepper.load_state_dict(state["stepper"])
+        if "optimizer" not in state:
+            raise ValueError("this checkpoint was written by an older learner (no 'optimizer' state); "
+                             "start a new run folder or pass run.resume=never")
+        with torch.no_grad():
+            self.loss.load_state_dict(state["loss"])  # in place: captured graphs keep their tensors
+        self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])

@@ -106,6 +106,11 @@ def train(cfg: DictConfig) -> None:
     metrics = Metrics(run_dir, cfg.run.steps, counters["env_steps"], learner.updates,
                       wandb=OmegaConf.to_container(cfg.logger) if cfg.logger.wandb else None,
                       name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True))
+    if learner.needs_warmup:  # compile and capture before collecting, on a batch of the replay's shapes
+        print("dreamer: warming up the learner step (compile / CUDA graph capture)...", flush=True)
+        seconds = learner.warmup(learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
+        print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
+        metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
     window: list = []  # episodes ended since the last metrics record
     with checkpoint.GracefulStop() as stop:
         while counters["env_steps"] < cfg.run.steps and not stop:
@@ -127,9 +132,6 @@ def train(cfg: DictConfig) -> None:
                 while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
                     counters["owed_updates"] -= 1
                     batch, handles = replay.sample()
-                    if learner.needs_warmup:
-                        seconds = learner.warmup(batch[:, :-1])
-                        metrics.write({"warmup_seconds": seconds}, counters["env_steps"], 0, kind="warmup")
                     batch = learner.update(batch[:, :-1])
                     if cfg.replay.context:
                         context = batch.get("replay_context")

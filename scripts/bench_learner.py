@@ -1,0 +1,265 @@
+"""Learner step speed: our compiled, CUDA-graph step against torchrl's DreamerV3OptimizationStepper.
+
+    python scripts/bench_learner.py --device cuda --model size1m --batch 16 --length 64 --obs vector
+    python scripts/bench_learner.py --device cuda --model size50m --batch 32 --length 256 --obs image --variant ours
+
+Every variant runs in its own process (a fresh compiler cache, its own peak memory) under a time limit
+(`--limit`, warm-up and measurement together); one that runs out is reported with the time it ran.
+One JSON line per variant: updates_per_second, ms_per_update (median of --updates timed updates after
+warm-up), warmup_seconds, kernels_per_update and gpu_busy (torch.profiler over --profile updates),
+peak_memory_gib; ours also reports the FLOPs of one update and the fraction of the bf16 peak. The last
+line is the ratio ours / torchrl (torchrl's faster configuration that warmed up).
+
+Variants: ours (compile + CUDA graph on CUDA; eager on CPU), ours_graph (CUDA graph, no compile),
+torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
+on CPU torchrl runs eagerly (torchrl_eager).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tensordict import TensorDict  # noqa: E402
+from torchrl.data import Bounded, Composite, OneHot, Unbounded  # noqa: E402
+
+from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
+from dreamer.config import CONFIG_DIR  # noqa: E402
+from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
+
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0}  # dense bf16 tensor-core peak (SXM)
+
+
+def _layout(obs: str, obs_dim: int, actions: int) -> EnvLayout:
+    if obs == "image":
+        spec = Composite(pixels=Bounded(0, 255, (3, 64, 64), dtype=torch.uint8))
+    else:
+        spec = Composite(observation=Unbounded(obs_dim))
+    return EnvLayout.from_specs(spec, OneHot(actions))
+
+
+def _size(name: str) -> ModelSize:
+    model = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())
+    model.pop("name")
+    return ModelSize(**model)
+
+
+def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int, device) -> TensorDict:
+    """A replay-like batch: episodes start at random places, sparse rewards, a few terminations."""
+    g = torch.Generator().manual_seed(0)
+    nxt = {"reward": (torch.rand(batch, length, 1, generator=g) < 0.1).float(),
+           "terminated": torch.rand(batch, length, 1, generator=g) < 0.005}
+    nxt["done"] = nxt["terminated"].clone()
+    if layout.vector_keys:
+        nxt["observation"] = torch.randn(batch, length, layout.vector_dim, generator=g)
+    if layout.image_shape:
+        nxt["pixels"] = torch.randint(0, 256, (batch, length, *layout.image_shape), dtype=torch.uint8, generator=g)
+    is_init = torch.zeros(batch, length, 1, dtype=torch.bool)
+    is_init[:, 0] = True
+    is_init[1:, 1:] |= nxt["done"][1:, :-1]
+    action = torch.nn.functional.one_hot(torch.randint(0, layout.action_dim, (batch, length), generator=g),
+                                         layout.action_dim).float()
+    td = TensorDict({"state": torch.zeros(batch, length, size.latent), "belief": torch.zeros(batch, length, size.deter),
+                     "action": action, "is_init": is_init, "next": nxt}, [batch, length])
+    return td.to(device)
+
+
+def _profile(update, count: int, cuda: bool) -> dict:
+    """Kernels per update and the fraction of wall time some kernel ran (union of kernel intervals)."""
+    if not cuda:
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(count):
+            update()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, -1.0
+    for lo, hi in intervals:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    span = (intervals[-1][1] - intervals[0][0]) if intervals else 1.0
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:70], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.time_range.end - e.time_range.start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    breakdown = [[name, round(n / count, 1), round(us / 1e3 / count, 3)] for name, (n, us) in top]
+    return {"top_kernels_by_time": breakdown,"kernels_per_update": round(len(kernels) / count), "gpu_busy": round(busy / span, 3),
+            "kernel_ms_per_update": round(sum(hi - lo for lo, hi in intervals) / 1e3 / count, 2),
+            "profiled_wall_ms_per_update": round(wall * 1e3 / count, 2)}
+
+
+def _flops(learner: Learner, batch) -> float:
+    """FLOPs of one update (forward and backward; matmuls and convolutions), counted on an eager pass."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved = learner._snapshot()
+    with FlopCounterMode(display=False) as counter:
+        total, _, _, _, scan = learner._losses(learner._inputs(batch))
+        learner._gradients(total, scan)
+    learner._restore(saved)
+    return float(counter.get_total_flops())
+
+
+def run_single(args) -> dict:
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    layout = _layout(args.obs, args.obs_dim, args.actions)
+    size = _size(args.model)
+    with torch.device(device):
+        agent = build_agent(layout, size, LossSettings())
+    batch = _batch(layout, size, args.batch, args.length, device)
+    result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
+              "length": args.length, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "parameters": agent.networks.parameter_count()}
+    if args.single.startswith("ours"):
+        compile = cuda and args.single == "ours"
+        learner = Learner(agent, OptimizerSettings(), device, compile=compile, cudagraph=cuda, bf16=cuda)
+        if args.flops:
+            result["gflop_per_update"] = round(_flops(learner, batch) / 1e9, 1)
+        start = time.perf_counter()
+        learner.warmup(batch)
+        result["warmup_seconds"] = round(time.perf_counter() - start, 1)
+
+        def update():
+            learner.update(batch)
+    else:
+        from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
+        from torchrl.modules.models.model_based import RSSMRolloutV3
+
+        settings = OptimizerSettings()
+        optimizer = DreamerV3Optimizer(agent.loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
+                                       warmup_steps=settings.warmup)
+        if args.single == "torchrl_scan":
+            for module in agent.loss.modules():
+                if isinstance(module, RSSMRolloutV3):
+                    module.compile_rollout("scan", unroll=8)
+        stepper = DreamerV3OptimizationStepper(
+            agent.loss, optimizer, agent.slow_critic, compile_train_step=args.single == "torchrl_step",
+            cudagraph=cuda and args.single != "torchrl_eager", mixed_precision=cuda)
+        start = time.perf_counter()
+        if args.single != "torchrl_eager":
+            stepper.warmup(batch)
+        result["warmup_seconds"] = round(time.perf_counter() - start, 1)
+
+        def update():
+            stepper.step(None, batch)
+    for _ in range(3):  # first replays: allocator and caches
+        update()
+    times = []
+    for _ in range(args.updates):
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            update()
+            end.record()
+            times.append((begin, end))
+        else:
+            t0 = time.perf_counter()
+            update()
+            times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+        times = [b.elapsed_time(e) / 1e3 for b, e in times]
+    median = statistics.median(times)
+    result.update({"ms_per_update": round(median * 1e3, 2), "updates_per_second": round(1 / median, 2)})
+    result.update(_profile(update, args.profile, cuda))
+    if cuda:
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        if "gflop_per_update" in result:
+            achieved = result["gflop_per_update"] * result["updates_per_second"] / 1e3
+            peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in result["device"]), None)
+            result["tflops"] = round(achieved, 1)
+            if peak:
+                result["fraction_of_bf16_peak"] = round(achieved / peak, 3)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model", default="size1m")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--obs", choices=["vector", "image"], default="vector")
+    parser.add_argument("--obs-dim", type=int, default=24)
+    parser.add_argument("--actions", type=int, default=6)
+    parser.add_argument("--variant", default="both",
+                        help="ours | ours_graph | torchrl | torchrl_step | torchrl_scan | both (default) | all")
+    parser.add_argument("--updates", type=int, default=30, help="timed updates (median)")
+    parser.add_argument("--profile", type=int, default=5, help="profiled updates")
+    parser.add_argument("--limit", type=float, default=540, help="seconds per variant, warm-up included")
+    parser.add_argument("--train-ratio", type=float, default=16, help="for the implied env steps/s")
+    parser.add_argument("--no-flops", dest="flops", action="store_false")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    parser.add_argument("--single", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.single:
+        print(json.dumps(run_single(args)), flush=True)
+        return
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu")
+    torchrl = ["torchrl_step", "torchrl_scan"] if cuda else ["torchrl_eager"]
+    ours = ["ours", "ours_graph"] if cuda else ["ours"]
+    variants = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}.get(
+        args.variant, [args.variant])
+    results = []
+    for variant in variants:
+        command = [sys.executable, __file__, *sys.argv[1:], "--single", variant]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit,
+                                  env={**os.environ, "EXCLUDE_TD_FROM_PYTREE": "1"})
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                result = {"variant": variant, "error": f"exit {done.returncode}: {' | '.join(tail)}"}
+            else:
+                result = json.loads(lines[-1])
+        except subprocess.TimeoutExpired:
+            result = {"variant": variant, "error": f"did not finish warm-up and measurement within {args.limit:.0f} s"}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        if "updates_per_second" in result:
+            result["env_steps_per_second_at_train_ratio"] = round(
+                result["updates_per_second"] * args.batch * args.length / args.train_ratio)
+        results.append(result)
+        _emit(result, args.out)
+    ok = {r["variant"]: r for r in results if "updates_per_second" in r}
+    baseline = max((ok[v] for v in torchrl if v in ok), key=lambda r: r["updates_per_second"], default=None)
+    if "ours" in ok and baseline:
+        _emit({"ratio": "ours/torchrl", "baseline": baseline["variant"],
+               "speedup": round(ok["ours"]["updates_per_second"] / baseline["updates_per_second"], 2)}, args.out)
+
+
+def _emit(record: dict, out: str | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
