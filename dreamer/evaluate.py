@@ -85,6 +85,20 @@ def write_video(path: Path, frames: list[torch.Tensor], fps: int = 30) -> None:
             writer.append_data(image.repeat(3, -1) if image.shape[-1] == 1 else image)
 
 
+def write_videos(networks, frames: list, first: list, out: Path, stem: str) -> dict[str, Path]:
+    """The episodes' MP4 and, when the world model decodes images, the open-loop MP4; {metric name: path}."""
+    if not frames:
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    videos = {"eval/video": out / f"{stem}.mp4"}
+    write_video(videos["eval/video"], frames)
+    predictions = open_loop(networks, first)
+    if predictions:
+        videos["eval/openloop"] = out / f"{stem}-openloop.mp4"
+        write_video(videos["eval/openloop"], predictions, fps=10)
+    return videos
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dreamer.evaluate", description=__doc__.splitlines()[2])
     parser.add_argument("run_dir", type=Path)
@@ -142,12 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.episodes} episodes from {path.name}: mean return {result['eval/return_mean']:.2f} "
           f"(min {result['eval/return_min']:.2f}, max {result['eval/return_max']:.2f}) -> {out / stem}.json")
     if frames and not args.no_video:
-        write_video(out / f"{stem}.mp4", frames)
-        print(f"video of {len(frames)} frames -> {out / stem}.mp4")
-        predictions = open_loop(agent.networks, first)
-        if predictions:
-            write_video(out / f"{stem}-openloop.mp4", predictions, fps=10)
-            print(f"open-loop predictions (real | predicted), {len(predictions)} frames -> {out / stem}-openloop.mp4")
+        videos = write_videos(agent.networks, frames, first, out, stem)
+        print(f"video of {len(frames)} frames -> {videos['eval/video']}")
+        if "eval/openloop" in videos:
+            print(f"open-loop predictions (real | predicted) -> {videos['eval/openloop']}")
     elif not frames:
         print("no video: this environment has no image observation")
     return 0

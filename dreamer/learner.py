@@ -537,10 +537,13 @@ class Learner:
             state, belief = inputs["state"], inputs["belief"]
             if self.compile:  # a carry that always requires grad: one compiled variant of the cell, not two
                 state, belief = state.detach().requires_grad_(), belief.detach().requires_grad_()
+            # unbind, not [:, t]: the backward of one unbind stacks the step gradients once, where T slices
+            # would each materialize and add a full-size zero gradient.
+            action_steps, embed_steps, reset_steps = action_features.unbind(1), embed_part.unbind(1), reset.unbind(1)
             beliefs, logits, states, records = [], [], [], []
             for t in range(length):
                 belief, logit, state, inputs_t = self._cell(
-                    state, belief, action_features[:, t], embed_part[:, t], reset[:, t], uniforms[t, 1], weights,
+                    state, belief, action_steps[t], embed_steps[t], reset_steps[t], uniforms[t, 1], weights,
                     [steps[t] for steps in tap_steps])
                 beliefs.append(belief), logits.append(logit), states.append(state), records.append(inputs_t)
             beliefs, states, post_logits = torch.stack(beliefs, 1), torch.stack(states, 1), torch.stack(logits, 1)

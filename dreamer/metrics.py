@@ -110,6 +110,16 @@ class WandbSink:
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
+    def media(self, videos: dict[str, Path], step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            import wandb
+
+            self.run.log({k: wandb.Video(str(path), format="mp4") for k, path in videos.items()}, step=step)
+        except Exception as error:  # a video that cannot be logged never stops training
+            print(f"warning: wandb could not log {sorted(videos)} ({str(error).splitlines()[0]})", file=sys.stderr)
+
     def close(self) -> None:
         if self.run is not None:
             self.run.finish()
@@ -192,6 +202,11 @@ class Metrics:
         if kind != "train" or not self.live:
             self.print_record(record)
         return record
+
+    def media(self, videos: dict[str, Path], env_steps: int) -> None:
+        """Evaluation videos (already written under the run folder) to wandb, when it is on."""
+        if self.sink is not None and videos:
+            self.sink.media(videos, env_steps)
 
     def print_record(self, record: dict) -> None:
         kind = record["kind"]

@@ -18,7 +18,7 @@ from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError, Collector
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
-from dreamer.evaluate import evaluate
+from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, summarize_episodes
 from dreamer.replay import Replay
@@ -82,7 +82,10 @@ def train(cfg: DictConfig) -> None:
     counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
     if resumed:
         path, state = resumed
-        learner.load_state_dict(state["learner"])
+        try:
+            learner.load_state_dict(state["learner"])
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise checkpoint.CheckpointError(f"{path} does not fit this run: {error}") from None
         ratio.load_state_dict(state["ratio"])
         counters.update(state["counters"])
         checkpoint.set_rng_state(state["rng"])
@@ -92,8 +95,15 @@ def train(cfg: DictConfig) -> None:
     print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
 
     def run_eval(kind: str) -> None:
-        record = evaluate(evaluator, cfg.run.eval_episodes)
+        if cfg.run.eval_video and layout.image_shape is not None:
+            finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes)
+            record = summarize(finished)
+            videos = write_videos(agent.networks, frames, first, run_dir / "eval",
+                                  f"{kind}-{counters['env_steps']:012d}")
+        else:
+            record, videos = evaluate(evaluator, cfg.run.eval_episodes), {}
         metrics.write(record, counters["env_steps"], learner.updates, kind=kind)
+        metrics.media(videos, counters["env_steps"])
 
     def save() -> None:
         checkpoint.save(run_dir, counters["env_steps"], {

@@ -7,6 +7,7 @@ sums (projections taken out of the scan), so agreement is to float32 rounding, n
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 from torchrl.data import Bounded, Composite, Unbounded
@@ -131,3 +132,14 @@ def test_optimizer_equals_torchrl_on_the_same_gradients():
         for p, twin in zip(params, twins):
             assert torch.allclose(p, twin, rtol=1e-6, atol=1e-7), step
     assert not torch.allclose(params[0], twins[0] + 1e-3)
+
+
+def test_an_older_checkpoint_is_refused_in_one_line():
+    agent, _ = _setup(VECTOR)
+    learner = Learner(agent, OptimizerSettings(), "cpu")
+    with pytest.raises(ValueError, match="older learner"):
+        learner.load_state_dict({"loss": agent.loss.state_dict(), "stepper": {}, "updates": 3})
+    state = copy.deepcopy(learner.state_dict())  # a saved checkpoint holds copies
+    learner.optimizer.step_count += 5
+    learner.load_state_dict(state)
+    assert float(learner.optimizer.step_count) == 0

@@ -82,3 +82,26 @@ def test_benchmark_and_baseline_scripts_run(workdir):
     assert all(0 < r["per_worker"] <= 100 for r in rows)  # 10 ms per step: at most 100 steps/s each
     baseline = _python([str(ROOT / "scripts" / "random_return.py"), "gym", "CartPole-v1", "5"], workdir)
     assert baseline.returncode == 0 and "random policy mean return" in baseline.stdout
+
+
+def test_learner_benchmark_runs_on_cpu(workdir):
+    """Both variants run in their own processes and the ratio line follows (timings are not checked)."""
+    bench = _python([str(ROOT / "scripts" / "bench_learner.py"), "--device", "cpu", "--model", "tiny", "--batch", "2",
+                     "--length", "8", "--updates", "2", "--out", "bench.jsonl"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = [json.loads(line) for line in bench.stdout.strip().splitlines()]
+    assert [r.get("variant") for r in rows[:2]] == ["ours", "torchrl_eager"]
+    assert all(r["updates_per_second"] > 0 and r["gflop_per_update"] > 0 for r in rows[:1])
+    assert rows[2]["ratio"] == "ours/torchrl" and rows[2]["speedup"] > 0
+    assert len((workdir / "bench.jsonl").read_text().splitlines()) == 3
+
+
+def test_the_slurm_launcher_config_composes():
+    """hydra/launcher=slurm resolves to submitit's Slurm launcher with one GPU per job (nothing is submitted)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=slurm", "+exp=dmc_proprio"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.timeout_min > 0

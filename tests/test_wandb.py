@@ -20,3 +20,17 @@ def test_wandb_goes_offline_without_a_key_and_a_resume_keeps_the_run_id(workdir)
     assert second.returncode == 0, second.stderr[-3000:]
     assert (run / "wandb_id.txt").read_text().strip() == run_id
     assert all(p.name.endswith(run_id) for p in (run / "wandb").glob("offline-run-*"))
+
+
+def test_evaluation_videos_are_written_and_logged(workdir):
+    """An image env: the final evaluation writes the episode and open-loop MP4s and logs both to wandb."""
+    environment = {"WANDB_MODE": None, "WANDB_API_KEY": None, "HOME": str(workdir), "NETRC": str(workdir / "none")}
+    args = ["+exp=emulated", "+debug=smoke", "run.name=wv", "logger=wandb", "run.eval_every=0",
+            "env.step_latency=0", "env.max_episode_steps=30", "run.eval_episodes=1"]
+    result = run_train(args, workdir, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = workdir / "runs" / "wv"
+    written = sorted(p.name for p in (run / "eval").glob("final_eval-*.mp4"))
+    assert written == [f"{written[1][:-4]}-openloop.mp4", written[1]]
+    logged = list((run / "wandb").glob("offline-run-*/files/media/videos/eval/*.mp4"))
+    assert {p.name.split("_")[0] for p in logged} == {"video", "openloop"}
