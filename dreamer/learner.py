@@ -11,8 +11,12 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
 - whatever does not depend on the recurrence leaves the scan: the action and observation projections run
   once on the whole [B, T] batch, the prior head and every decoder after the scan; imagination runs
   without autograd (its gradients are not used: the actor is trained by REINFORCE on stopped states);
-- the RSSM cell, the imagination step, the loss tail and the optimizer are compiled separately
-  (`torch.compile`, fixed shapes), the random draws stay outside them so compiled and eager agree;
+- inside the scan the weights are cast to bf16 once per update and their gradients come from "taps"
+  (zeros added to each output, whose gradient is the stacked output gradient of all steps): one matmul
+  per weight over all B x T rows instead of T small ones and T - 1 accumulations;
+- the encoder stage, the RSSM cell, the imagination step, the loss tail and the optimizer are compiled
+  separately (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager
+  agree;
 - the whole update, optimizer and slow critic included, is captured as one CUDA graph over static
   buffers: no host synchronization inside; metrics are summed on the device and read through a pinned
   buffer and an event once per log period.
@@ -29,14 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
-from torchrl.modules.models.model_based import (
-    _dreamer_v3_block_gru_update,
-    _straight_through_categorical,
-    _unimix_probs,
-    two_hot_cross_entropy,
-    two_hot_decode,
-)
-from torchrl.objectives import symexp, symlog
+from torchrl.modules.models.model_based import _straight_through_categorical, two_hot_cross_entropy, two_hot_decode
+from torchrl.objectives import symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
 from dreamer.agent import IMAGE_KEY, Agent
@@ -168,6 +166,7 @@ class Learner:
         estimator = loss.actor_loss.value_estimator
         self.gamma, self.lmbda = estimator.gamma.to(self.device), estimator.lmbda.to(self.device)
         self.retnorm = loss.actor_loss.retnorm
+        self._embed = _Compiled(self._embed_fn)
         self._cell = _Compiled(self._cell_fn)
         self._imagine_actor = _Compiled(self._actor_fn)
         self._imagine_prior = _Compiled(self._prior_fn)
@@ -312,6 +311,16 @@ class Learner:
         logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
         state = _straight_through_categorical(logits, self.nets.posterior.unimix, uniform)
         return belief, logits, state.flatten(-2), records
+
+    def _embed_fn(self, observations, action, reset):
+        """The scan's inputs for all steps at once: the observation part of the posterior's first layer
+        (encoder included) and the prior's action projection (actions zeroed where an episode starts)."""
+        nets = self.nets
+        embed = nets.encoder(*observations)
+        action = torch.where(reset, 0, action)
+        action_features = nets.prior.rnn.action_projection(action / action.detach().abs().clamp_min(1))
+        first = nets.posterior.obs_rnn_to_post_projector[0]
+        return F.linear(embed, first.weight[:, self.size.deter:], first.bias), action_features
 
     def _scan_grads(self, tap_grads, records) -> dict:
         """Each tapped weight's gradient from the stacked output gradients and the stacked inputs."""
@@ -515,7 +524,6 @@ class Learner:
 
     def _losses(self, inputs: dict[str, torch.Tensor]):
         """The forward pass: (total loss, metrics, posterior states, posterior beliefs, (taps, records))."""
-        nets = self.nets
         batch, length = inputs["action"].shape[:2]
         with self._autocast():
             dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -524,12 +532,8 @@ class Learner:
             observations = [inputs[k] for k in self.layout.vector_keys]
             if self.layout.image_shape is not None:
                 observations.append(inputs[IMAGE_KEY])
-            embed = nets.encoder(*observations)
             reset = inputs["is_init"]
-            action = torch.where(reset, 0, inputs["action"])
-            action_features = nets.prior.rnn.action_projection(action / action.detach().abs().clamp_min(1))
-            first = nets.posterior.obs_rnn_to_post_projector[0]
-            embed_part = F.linear(embed, first.weight[:, self.size.deter:], first.bias)
+            embed_part, action_features = self._embed(observations, inputs["action"], reset)
             uniforms = torch.rand(length, 2, batch, self.size.stoch, device=self.device)
             taps = [torch.zeros(length, batch, width, dtype=dtype, device=self.device, requires_grad=True)
                     for _, _, _, width in self._specs]
@@ -603,7 +607,7 @@ class Learner:
         start = time.perf_counter()
         saved = self._snapshot()
         if self.compile:
-            for piece in (self._cell, self._imagine_actor, self._imagine_prior, self._tail, self._optimize):
+            for piece in (self._embed, self._cell, self._imagine_actor, self._imagine_prior, self._tail, self._optimize):
                 piece.enable()
         inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
         if self.cudagraph:

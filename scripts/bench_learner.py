@@ -185,6 +185,9 @@ def run_single(args) -> dict:
     median = statistics.median(times)
     result.update({"ms_per_update": round(median * 1e3, 2), "updates_per_second": round(1 / median, 2)})
     result.update(_profile(update, args.profile, cuda))
+    if args.single.startswith("ours"):
+        metrics = learner.drain()
+        result["losses_finite"] = bool(metrics) and all(v == v and abs(v) != float("inf") for v in metrics.values())
     if cuda:
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if "gflop_per_update" in result:

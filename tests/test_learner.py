@@ -143,3 +143,20 @@ def test_an_older_checkpoint_is_refused_in_one_line():
     learner.optimizer.step_count += 5
     learner.load_state_dict(state)
     assert float(learner.optimizer.step_count) == 0
+
+
+def test_compiled_step_follows_the_eager_updates_on_cpu():
+    """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result."""
+    (eager_agent, batch), (compiled_agent, _) = _setup(VECTOR), _setup(VECTOR)
+    eager = Learner(eager_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
+    compiled = Learner(compiled_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", compile=True)
+    assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._cell, compiled._tail))
+    for step in range(2):
+        for learner in (eager, compiled):
+            torch.manual_seed(20 + step)
+            learner.update(batch.clone())
+        ours, theirs = compiled.drain(), eager.drain()
+        for key, value in theirs.items():
+            assert abs(ours[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, ours[key], value)
+    for a, b in zip(compiled.params, eager.params):
+        assert _close(a.detach(), b.detach(), 1e-4)
