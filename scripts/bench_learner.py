@@ -4,7 +4,8 @@
     python scripts/bench_learner.py --device cuda --model size50m --batch 32 --length 256 --obs image --variant ours
 
 Every variant runs in its own process (a fresh compiler cache, its own peak memory) under a time limit
-(`--limit`, warm-up and measurement together); one that runs out is reported with the time it ran.
+(`--limit`, warm-up and measurement together) and, unless `--warm-cache`, with empty compiler caches;
+one that runs out is reported with the time it ran.
 One JSON line per variant: updates_per_second, ms_per_update (median of --updates timed updates after
 warm-up), warmup_seconds, kernels_per_update and gpu_busy (torch.profiler over --profile updates),
 peak_memory_gib; ours also reports the FLOPs of one update and the fraction of the bf16 peak. The last
@@ -23,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -209,7 +211,10 @@ def main() -> None:
     parser.add_argument("--obs-dim", type=int, default=24)
     parser.add_argument("--actions", type=int, default=6)
     parser.add_argument("--variant", default="both",
-                        help="ours | ours_graph | torchrl | torchrl_step | torchrl_scan | both (default) | all")
+                        help="ours | ours_graph | torchrl | torchrl_step | torchrl_scan | both (default) | all, "
+                             "or a comma-separated list of variants")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="reuse the compiler caches (default: each variant compiles from an empty cache)")
     parser.add_argument("--updates", type=int, default=30, help="timed updates (median)")
     parser.add_argument("--profile", type=int, default=5, help="profiled updates")
     parser.add_argument("--limit", type=float, default=540, help="seconds per variant, warm-up included")
@@ -226,15 +231,19 @@ def main() -> None:
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu")
     torchrl = ["torchrl_step", "torchrl_scan"] if cuda else ["torchrl_eager"]
     ours = ["ours", "ours_graph"] if cuda else ["ours"]
-    variants = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}.get(
-        args.variant, [args.variant])
+    groups = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}
+    variants = [v for name in args.variant.split(",") for v in groups.get(name, [name])]
     results = []
     for variant in variants:
         command = [sys.executable, __file__, *sys.argv[1:], "--single", variant]
         start = time.perf_counter()
+        env = {**os.environ, "EXCLUDE_TD_FROM_PYTREE": "1"}
+        cache = tempfile.TemporaryDirectory(prefix=f"bench-{variant}-")
+        if not args.warm_cache:  # a cold compile, as on a fresh machine
+            env.update(TORCHINDUCTOR_CACHE_DIR=f"{cache.name}/inductor", TRITON_CACHE_DIR=f"{cache.name}/triton")
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit,
-                                  env={**os.environ, "EXCLUDE_TD_FROM_PYTREE": "1"})
+            with cache:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit, env=env)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
