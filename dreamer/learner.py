@@ -14,9 +14,9 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
 - inside the scan the weights are cast to bf16 once per update and their gradients come from "taps"
   (zeros added to each output, whose gradient is the stacked output gradient of all steps): one matmul
   per weight over all B x T rows instead of T small ones and T - 1 accumulations;
-- the encoder stage, the RSSM cell, the imagination step, the loss tail and the optimizer are compiled
-  separately (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager
-  agree;
+- the encoder stage, the RSSM cell, the imagination step and the loss tail are compiled separately
+  (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager agree; the
+  optimizer's multi-tensor (foreach) ops run as they are;
 - the whole update, optimizer and slow critic included, is captured as one CUDA graph over static
   buffers: no host synchronization inside; metrics are summed on the device and read through a pinned
   buffer and an event once per log period.
@@ -171,7 +171,9 @@ class Learner:
         self._imagine_actor = _Compiled(self._actor_fn)
         self._imagine_prior = _Compiled(self._prior_fn)
         self._tail = _Compiled(self._tail_fn)
-        self._optimize = _Compiled(self._optimize_fn)
+        # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
+        # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
+        self._optimize = self._optimize_fn
         self._specs = self._tap_specs()
         self._eps = self.nets.prior.rnn.belief_projection[1].eps
         self.needs_warmup = compile or cudagraph
@@ -607,7 +609,7 @@ class Learner:
         start = time.perf_counter()
         saved = self._snapshot()
         if self.compile:
-            for piece in (self._embed, self._cell, self._imagine_actor, self._imagine_prior, self._tail, self._optimize):
+            for piece in (self._embed, self._cell, self._imagine_actor, self._imagine_prior, self._tail):
                 piece.enable()
         inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
         if self.cudagraph:
