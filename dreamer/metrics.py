@@ -146,7 +146,9 @@ class Metrics:
         self.last_return: float | None = None
         self.fps = 0.0
         self.ups = 0.0
-        self.sink = WandbSink(wandb, Path(run_dir), name, config or {}) if wandb else None
+        # logger.mode=disabled: not even imported, so it costs nothing.
+        enabled = wandb and wandb.get("mode", "auto") != "disabled"
+        self.sink = WandbSink(wandb, Path(run_dir), name, config or {}) if enabled else None
         self.live = self.console.is_terminal
         self.progress = None
         if self.live:

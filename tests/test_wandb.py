@@ -34,3 +34,12 @@ def test_evaluation_videos_are_written_and_logged(workdir):
     assert written == [f"{written[1][:-4]}-openloop.mp4", written[1]]
     logged = list((run / "wandb").glob("offline-run-*/files/media/videos/eval/*.mp4"))
     assert {p.name.split("_")[0] for p in logged} == {"video", "openloop"}
+
+
+def test_disabled_wandb_costs_nothing(workdir):
+    args = ["+debug=smoke", "run.name=wd", "logger=wandb", "logger.mode=disabled", "run.eval_every=0", "run.steps=64"]
+    result = run_train(args, workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = workdir / "runs" / "wd"
+    assert (run / "metrics.jsonl").is_file()
+    assert not (run / "wandb").exists() and not (run / "wandb_id.txt").exists()
