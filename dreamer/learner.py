@@ -19,7 +19,7 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
   optimizer's multi-tensor (foreach) ops run as they are;
 - the whole update, optimizer and slow critic included, is captured as one CUDA graph over static
   buffers: no host synchronization inside; metrics are summed on the device and read through a pinned
-  buffer and an event once per log period.
+  buffer behind an event once per log period (`read_metrics`), without waiting for queued updates.
 
 On CPU the same code runs eagerly.
 """
@@ -117,6 +117,24 @@ class LaProp:
             self.step_count.copy_(state["step"])
 
 
+class MetricsRead:
+    """Device metrics on their way to pinned host memory: `ready()` never blocks, `result()` waits."""
+
+    def __init__(self, pinned: torch.Tensor, event: torch.cuda.Event | None):
+        self.pinned, self.event = pinned, event
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> dict[str, float]:
+        if self.event is not None:
+            self.event.synchronize()  # only the updates queued before the read, not the whole device
+        count = float(self.pinned[-1])
+        if not count:
+            return {}
+        return {f"train/{k}": float(v) / count for k, v in zip(METRICS, self.pinned[:-1].tolist())}
+
+
 class _Compiled:
     """A function that is compiled once its learner asks for it (`torch.compile`, fixed shapes)."""
 
@@ -180,7 +198,6 @@ class Learner:
         self.updates = 0
         self._sums = torch.zeros(len(METRICS), device=self.device)
         self._count = torch.zeros((), device=self.device)
-        self._pinned = torch.zeros(len(METRICS) + 1, pin_memory=self.device.type == "cuda")
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: dict[str, torch.Tensor] = {}
         self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -649,20 +666,23 @@ class Learner:
         batch.set("replay_context", TensorDict({"state": state, "belief": belief}, batch.batch_size))
         return batch
 
-    def drain(self) -> dict[str, float]:
-        """Mean of each metric since the last drain: one copy to pinned memory, then a wait on its event."""
-        self._pinned[: len(METRICS)].copy_(self._sums, non_blocking=True)
-        self._pinned[len(METRICS)].copy_(self._count, non_blocking=True)
+    def read_metrics(self) -> MetricsRead:
+        """Starts reading the metrics summed since the last read: a copy to pinned memory behind an event
+        on the learner's stream, so the caller need not wait for the updates still queued."""
+        pinned = torch.empty(len(METRICS) + 1, pin_memory=self.device.type == "cuda")
+        pinned[: len(METRICS)].copy_(self._sums, non_blocking=True)
+        pinned[len(METRICS)].copy_(self._count, non_blocking=True)
+        event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-            event.synchronize()  # waits for the queued updates up to here, not for the device
         self._sums.zero_()
         self._count.zero_()
-        count = float(self._pinned[-1])
-        if not count:
-            return {}
-        return {f"train/{k}": float(v) / count for k, v in zip(METRICS, self._pinned[:-1].tolist())}
+        return MetricsRead(pinned, event)
+
+    def drain(self) -> dict[str, float]:
+        """Mean of each metric since the last read, waiting for it."""
+        return self.read_metrics().result()
 
     def _snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         tensors = [*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,

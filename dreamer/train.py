@@ -122,6 +122,12 @@ def train(cfg: DictConfig) -> None:
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
     window: list = []  # episodes ended since the last metrics record
+    pending: list = []  # metrics records waiting for the learner's device values
+
+    def write_pending() -> None:
+        read, record, env_steps, updates = pending.pop(0)
+        metrics.write({**read.result(), **record}, env_steps, updates)
+
     with checkpoint.GracefulStop() as stop:
         while counters["env_steps"] < cfg.run.steps and not stop:
             try:
@@ -149,15 +155,19 @@ def train(cfg: DictConfig) -> None:
 
             metrics.tick(counters["env_steps"])
             if should_log(counters["env_steps"]):
-                record = {**learner.drain(), **summarize_episodes(window), "env/restarts": collector.restarts}
+                record = {**summarize_episodes(window), "env/restarts": collector.restarts}
+                pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
                 window.clear()
-                metrics.write(record, counters["env_steps"], learner.updates)
+            while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
+                write_pending()
             # The last scheduled evaluation is the final one, after the loop.
             if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
                 run_eval("eval")
             if should_save(counters["env_steps"]):
                 save()
 
+        while pending:
+            write_pending()
         save()
         if stop:
             print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
