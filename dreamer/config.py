@@ -168,7 +168,7 @@ def describe(settings: Settings) -> str:
     if settings.cudagraph:
         step += " + CUDA graph"
     precision = "bf16" if settings.bf16 else "fp32"
-    return f"learner on {settings.topology.learner} ({step}, {precision}); topology {settings.topology.name}"
+    return f"learner {step}, {precision}; {settings.topology.describe()}"
 
 
 def set_threads(threads, learner: torch.device) -> None:

@@ -1,6 +1,19 @@
 """Which device does what, from the number of visible GPUs or an explicit `topology=...`.
 
-At this stage only the learner's device is placed (collection is synchronous, acting on that device).
+| GPUs      | learner | inference server            | env rendering  | replay             |
+|-----------|---------|-----------------------------|----------------|--------------------|
+| 0         | cpu     | cpu                         | cpu            | host memory        |
+| 1         | cuda:0  | cuda:0 (own process/stream) | cpu            | pinned host memory |
+| 2         | cuda:0  | cuda:1                      | cpu            | pinned host memory |
+| n >= 3    | cuda:0  | cuda:1                      | cuda:2..n-1    | pinned host memory |
+
+In a multirun (`-m`), `auto` gives each job one GPU, job number mod GPU count, for all of its parts, so
+the parallel jobs of a joblib sweep on one node never share a GPU. The learner uses one GPU; a
+data-parallel learner over several is not built.
+
+At this stage the learner's device is used for training and acting (collection is synchronous); the
+inference and rendering devices are decided and printed, and are used once the inference server and
+the worker processes exist.
 """
 
 from __future__ import annotations
@@ -8,26 +21,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 
 @dataclass(frozen=True)
 class Topology:
     name: str
     learner: torch.device
+    inference: torch.device
+    render: tuple[torch.device, ...]  # GPUs env workers render on, round-robin; () = on the CPU
+
+    @property
+    def replay(self) -> str:
+        return "pinned host memory" if self.learner.type == "cuda" else "host memory"
+
+    def describe(self) -> str:
+        render = ", ".join(str(d) for d in self.render) or "cpu"
+        shared = " (shared with the learner)" if self.inference == self.learner and self.learner.type == "cuda" else ""
+        return (f"topology {self.name}: learner {self.learner}, inference {self.inference}{shared}, "
+                f"env rendering {render}, replay in {self.replay}")
 
 
-def _device(spec: str) -> torch.device:
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _device(spec: str, gpus: int) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
         raise ValueError(f"'{spec}' is not a device; use cpu or cuda:N") from None
     if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = 0 if device.index is None else device.index
-        if index >= count:
+        if index >= gpus:
             raise ValueError(
-                f"device {spec} does not exist: this machine has {count} CUDA device(s); "
+                f"device {spec} does not exist: this machine has {gpus} CUDA device(s); "
                 "use topology=cpu or topology=auto"
             )
         return torch.device("cuda", index)
@@ -48,13 +76,35 @@ def sweep_job_number() -> int | None:
         return None
 
 
-def resolve_topology(cfg: DictConfig, job: int | None = None) -> Topology:
-    """`auto` puts the learner on cuda:0, or in a sweep on GPU (job number mod GPU count), so parallel
-    jobs of a joblib sweep on one node each get their own GPU."""
-    learner = cfg.learner
-    if learner == "auto":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        learner = f"cuda:{(job or 0) % count}" if count else "cpu"
-    device = _device(str(learner))
-    name = cfg.name if cfg.name != "auto" else ("1gpu" if device.type == "cuda" else "cpu")
-    return Topology(name=name, learner=device)
+def plan(gpus: int, job: int | None = None) -> tuple[str, str, list[str]]:
+    """(learner, inference, render devices) for `gpus` visible GPUs; `job` = the multirun job number."""
+    if gpus == 0:
+        return "cpu", "cpu", []
+    if job is not None:
+        device = f"cuda:{job % gpus}"
+        return device, device, []
+    if gpus == 1:
+        return "cuda:0", "cuda:0", []
+    return "cuda:0", "cuda:1", [f"cuda:{i}" for i in range(2, gpus)]
+
+
+def resolve_topology(cfg: DictConfig, job: int | None = None, gpus: int | None = None) -> Topology:
+    """The topology config's devices, with every `auto` filled in from `plan`."""
+    gpus = visible_gpus() if gpus is None else gpus
+    learner, inference, render = plan(gpus, job)
+    learner = learner if cfg.learner == "auto" else str(cfg.learner)
+    chosen = cfg.get("inference", "auto")
+    if chosen != "auto":
+        inference = str(chosen)
+    elif torch.device(learner).type == "cpu":
+        inference = "cpu"
+    chosen = cfg.get("render", "auto")
+    if chosen != "auto":
+        if not isinstance(chosen, (list, tuple, ListConfig)):
+            raise ValueError(f"topology.render must be auto or a list of devices, got {chosen!r}")
+        render = [str(d) for d in chosen]
+    devices = _device(learner, gpus), _device(inference, gpus), tuple(_device(d, gpus) for d in render)
+    name = cfg.name
+    if name == "auto":
+        name = "cpu" if devices[0].type == "cpu" else f"{gpus}gpu" if job is None else "1gpu-per-job"
+    return Topology(name, *devices)
