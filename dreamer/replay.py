@@ -133,11 +133,14 @@ class Replay:
         batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
         return batch.to(self.device, non_blocking=True), handles
 
-    def write_back(self, handles: TensorDictBase, state: torch.Tensor, belief: torch.Tensor) -> Future:
+    def write_back(self, handles: TensorDictBase, state: torch.Tensor, belief: torch.Tensor,
+                   wait: bool | None = None) -> Future:
         """Submits the refreshed posterior of records [:, :-1] as the context of records [:, 1:].
 
         Overlapping slices address some slots more than once: the last write wins. The copy to the host
-        is enqueued on the producing stream now; torchrl's update thread applies it once it has landed.
+        is enqueued on the producing stream now; torchrl's update thread applies it once it has landed,
+        into slots whose generation is unchanged since sampling. `wait` (default: on a CPU learner only)
+        returns after it has been applied.
         """
         index = handles.get("index")[:, 1:].reshape(-1)
         generation = handles.get("index_generation")[:, 1:].reshape(-1)
@@ -149,7 +152,7 @@ class Replay:
             "belief": belief.detach().reshape(-1, belief.shape[-1])[on_device].float(),
         }
         future = self.buffer.submit_update_if_present(index=index[keep], generation=generation[keep], patch=patch)
-        if self.device.type == "cpu":
+        if wait or (wait is None and self.device.type == "cpu"):
             # A CPU learner gains nothing from overlapping the update: the thread would compete with
             # the next learner step for the same cores (measured: slower on 2 cores).
             future.result()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from dreamer.replay import Replay, last_write_wins
@@ -123,3 +125,42 @@ def test_stale_generation_is_skipped():
 def test_replay_too_small_for_one_sequence_is_refused():
     with pytest.raises(ValueError, match="less than one sequence"):
         Replay(4, 10, 1, 3, torch.device("cpu"))
+
+
+@given(st.lists(st.one_of(st.tuples(st.just("add"), st.integers(1, 6)), st.just(("sample",)),
+                         st.just(("write_back",))), min_size=1, max_size=30))
+@settings(max_examples=40, deadline=None)
+def test_a_stale_write_back_is_never_applied_even_racing_inserts(operations):
+    """Property: whatever the interleaving of inserts, samples and write-backs (inserts between a sample
+    and its write-back, as while the learner steps, and while torchrl's update thread applies earlier
+    write-backs), a stored context is either untouched (0) or the posterior of the record just before it
+    in its stream (t - 1), never a patch meant for a record that has since been overwritten."""
+    replay = _replay(streams=2, size=16, batch_size=4, batch_length=2)  # 8 slots per stream: overwrites
+    step, sampled, futures = 0, [], []
+
+    def submit():
+        batch, handles = sampled.pop(0)
+        source = batch.get("t")[:, :-1].float().unsqueeze(-1).expand(4, 2, 3).contiguous()
+        futures.append(replay.write_back(handles, source, source, wait=False))
+
+    for _ in range(3):
+        replay.add(_records(step, 2))
+        step += 1
+    for operation in operations:
+        if operation[0] == "add":
+            for _ in range(operation[1]):
+                replay.add(_records(step, 2))
+                step += 1
+        elif operation[0] == "sample":
+            sampled.append(replay.sample())
+        elif sampled:
+            submit()
+    while sampled:
+        submit()
+    for future in futures:
+        future.result()
+    for member in range(2):
+        stored = _stored(replay, member)
+        for value, t in zip(stored.get("state")[:, 0].tolist(), stored.get("t").tolist()):
+            assert value in (0.0, float(t - 1)), (value, t)
+    replay.close()
