@@ -36,6 +36,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.modules.models.model_based import _straight_through_categorical, two_hot_cross_entropy, two_hot_decode
 from torchrl.objectives import symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
+from torchrl.objectives.value.functional import td_lambda_return_estimate
 
 from dreamer.agent import IMAGE_KEY, Agent
 
@@ -182,7 +183,7 @@ class Learner:
         self.reward_bins = loss.model_loss.reward_bins
         self.value_bins = loss.value_loss.value_bins
         estimator = loss.actor_loss.value_estimator
-        self.gamma, self.lmbda = estimator.gamma.to(self.device), estimator.lmbda.to(self.device)
+        self.gamma = estimator.gamma.to(self.device)
         self.retnorm = loss.actor_loss.retnorm
         self._embed = _Compiled(self._embed_fn)
         self._cell = _Compiled(self._cell_fn)
@@ -413,7 +414,7 @@ class Learner:
         }
 
         # ---- imagination targets (no gradient): states 0..H, actions 0..H-1 ----
-        gamma, lmbda = self.gamma, self.lmbda
+        gamma = self.gamma
         with torch.no_grad():
             next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
             reward = two_hot_decode(nets.reward_head(next_s, next_b), self.reward_bins).unsqueeze(-1)
@@ -422,12 +423,7 @@ class Learner:
             continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
             continuation = continuation_all[:, 1:]
             root_continuation = continuation_all[:, :-1]
-            returns, next_return = [], next_value[:, -1]
-            for t in reversed(range(next_value.shape[1])):
-                next_return = reward[:, t] + gamma * continuation[:, t] * (
-                    (1 - lmbda) * next_value[:, t] + lmbda * next_return)
-                returns.append(next_return)
-            lambda_target = torch.stack(returns[::-1], 1)  # [N, H, 1]
+            lambda_target = settings.actor_loss.lambda_target(reward, next_value, continuation)  # [N, H, 1]
             discount = torch.cat([root_continuation[:, :1], gamma * root_continuation[:, 1:]], 1).cumprod(1)
             # Return normalization: EMA of the 5th / 95th percentiles of the targets.
             retnorm = self.retnorm
@@ -471,15 +467,11 @@ class Learner:
         with torch.no_grad():
             bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]
             done, terminated = inputs["done"], inputs["terminated"]
-            next_value = bootstrap[:, 1:] * (~terminated[:, 1:]).float()
-            replay_reward, replay_done = inputs["reward"][:, 1:], done[:, 1:].float()
-            replay_gamma = 1 - 1 / settings.continuation_horizon
-            g, out = next_value[:, -1], []
-            for t in reversed(range(next_value.shape[1])):
-                g = g * (1 - replay_done[:, t]) + next_value[:, t] * replay_done[:, t]
-                g = replay_reward[:, t] + replay_gamma * ((1 - settings.lmbda) * next_value[:, t] + settings.lmbda * g)
-                out.append(g)
-            replay_target = torch.stack(out[::-1], 1).squeeze(-1)  # [B, T-1]
+            # The loop form of torchrl's estimator (its vectorized form finds trajectory ends on the host).
+            replay_target = td_lambda_return_estimate(
+                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda,
+                next_state_value=bootstrap[:, 1:], reward=inputs["reward"][:, 1:], done=done[:, 1:],
+                terminated=terminated[:, 1:]).squeeze(-1)  # [B, T-1]
             replay_weight = (~done[:, :-1].squeeze(-1)).float()
         replay_logits = self._critic(states, beliefs)[:, :-1]
         replay_loss = two_hot_cross_entropy(replay_logits, replay_target, self.value_bins)
