@@ -9,12 +9,22 @@ Faults: an env that raises in `step` or `reset` is closed and rebuilt; its episo
 the last good observation (repeated once with done set, reward 0), so replay never joins two episodes.
 `max_restarts` failures in a row of the same env stop collection with a CollectionError. Non-finite
 observations or rewards stop it at once: they mean the env is broken, not unlucky.
+
+`WorkerPool` runs the same collector in `run.envs` worker processes, one env each, acting through the
+batched inference server (`dreamer.inference`): each worker sends its records to the trainer in chunks of
+`run.chunk` consecutive records over its own pipe. A worker that dies (killed, crashed) is restarted in
+place; the records it had not sent yet are lost, its replay stream is ended as truncated at the last
+record the trainer received, and the new worker starts a fresh episode.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -225,3 +235,148 @@ class Collector:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+class _RemotePolicy:
+    """The acting policy of a worker process: one request to the inference server per step."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __call__(self, record: TensorDictBase) -> TensorDictBase:
+        answer = self.client(record[0])
+        record.set("policy", answer.get("policy").unsqueeze(0))
+        return record
+
+
+@dataclass
+class Chunk:
+    """Consecutive records [k] of one env stream, and the episodes that ended in them."""
+
+    stream: int
+    records: TensorDictBase
+    episodes: list[Episode]
+    env_restarts: int  # env rebuilds inside the worker (the env raised), since its last chunk
+
+
+def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, client,
+                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int) -> None:
+    """One env worker: steps its env with the server's actions and sends chunks until `stop` is set."""
+    from omegaconf import OmegaConf
+
+    from dreamer.envs import make_env
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.create(env_cfg)
+    collector = Collector([make_env(cfg, seed, index)], lambda _: make_env(cfg, seed, index),
+                          _RemotePolicy(client), layout, size, torch.device("cpu"), suite=suite,
+                          max_restarts=max_restarts)
+    records, episodes, restarts = [], [], 0
+    try:
+        while not stop.is_set():
+            record, ended = collector.step()
+            records.append(record)
+            episodes += [Episode(index, e.score, e.length, e.truncated_by_fault, e.stats) for e in ended]
+            if len(records) >= chunk:
+                writer.send(Chunk(index, torch.cat(records), episodes, collector.restarts - restarts))
+                restarts = collector.restarts
+                records, episodes = [], []
+    except CollectionError as error:
+        writer.send(str(error).replace(f"{suite} env 0 ", f"{suite} env {index} "))
+    except (BrokenPipeError, EOFError, KeyboardInterrupt):  # the trainer is gone or stopping
+        pass
+    finally:
+        collector.close()
+
+
+class WorkerPool:
+    """`len(clients)` env worker processes (spawned), their chunk pipes, and their restarts.
+
+    `on_restart(stream)` runs in the trainer before a dead worker's replacement starts (the replay
+    stream is ended there, and the inference slot cleared). A worker that dies `max_restarts` times
+    without delivering a chunk in between stops collection with a CollectionError.
+    """
+
+    def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
+                 chunk: int = 64, suite: str = "env", max_restarts: int = 10,
+                 on_restart: Callable[[int], None] | None = None):
+        self.args = (env_cfg, seed, layout, size)
+        self.clients, self.chunk, self.suite, self.max_restarts = clients, chunk, suite, max_restarts
+        self.on_restart = on_restart
+        self.context = multiprocessing.get_context("spawn")
+        self.stop = self.context.Event()
+        n = len(clients)
+        self.processes: list = [None] * n
+        self.pipes: list[Connection | None] = [None] * n
+        self.deaths = [0] * n  # deaths in a row, per worker
+        self.restarts = 0  # worker restarts plus env rebuilds inside workers
+
+    def start(self) -> WorkerPool:
+        for index in range(len(self.clients)):
+            self._spawn(index)
+        return self
+
+    def _spawn(self, index: int) -> None:
+        reader, writer = self.context.Pipe(duplex=False)
+        env_cfg, seed, layout, size = self.args
+        process = self.context.Process(
+            target=_worker_main, name=f"dreamer-env-{index}", daemon=True,
+            args=(index, env_cfg, seed, layout, size, self.clients[index], writer, self.stop, self.chunk,
+                  self.suite, self.max_restarts))
+        process.start()
+        writer.close()  # the worker holds the only writer: its death closes the pipe
+        self.processes[index], self.pipes[index] = process, reader
+
+    def _restart(self, index: int) -> None:
+        process = self.processes[index]
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self.pipes[index].close()
+        self.deaths[index] += 1
+        self.restarts += 1
+        if self.deaths[index] >= self.max_restarts:
+            raise CollectionError(
+                f"{self.suite} env worker {index} died {self.deaths[index]} times in a row "
+                f"(last exit code {process.exitcode}); stopping"
+            )
+        if self.on_restart is not None:
+            self.on_restart(index)
+        self._spawn(index)
+
+    def receive(self, timeout: float) -> list[Chunk]:
+        """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
+        ready = wait([pipe for pipe in self.pipes], timeout)
+        chunks = []
+        for pipe in ready:
+            index = self.pipes.index(pipe)
+            try:
+                message = pipe.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):  # the worker died, maybe mid-message
+                self._restart(index)
+                continue
+            if isinstance(message, str):
+                raise CollectionError(message)
+            self.deaths[index] = 0
+            self.restarts += message.env_restarts
+            chunks.append(message)
+        return chunks
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        for process, pipe in zip(self.processes, self.pipes):
+            if process is None:
+                continue
+            while process.is_alive() and time.monotonic() < deadline:
+                while pipe.poll():  # a worker blocked on a full pipe finishes its send, then sees stop
+                    try:
+                        pipe.recv()
+                    except (EOFError, OSError, pickle.UnpicklingError):
+                        break
+                process.join(timeout=0.05)
+            if process.is_alive():  # blocked on the server or in its env: not worth waiting for
+                process.kill()
+                process.join()
+            pipe.close()

@@ -122,6 +122,31 @@ class Replay:
         self.buffer.extend(records)
         self.added += records.shape[0]
 
+    def add_chunk(self, stream: int, records: TensorDictBase) -> None:
+        """Appends consecutive records [k] of one env stream (a worker's chunk) to that stream's member."""
+        records = records.clone(False)
+        records.set(STREAM_KEY, torch.full((records.shape[0],), stream, dtype=torch.long))
+        # The ensemble's own extend routes with one mask per member; a chunk belongs to one member.
+        with self.buffer._replay_lock, self.buffer._write_lock:
+            self.buffer._rbs[stream].extend(records)
+        self.added += records.shape[0]
+
+    def end_stream(self, stream: int) -> bool:
+        """Marks the newest record of `stream` as an episode end (truncated): its producer died.
+
+        The restarted producer's first record has is_init set; the done flag makes the stored episode
+        end where the data ends. Applied through the slot's generation, like a write-back, so it never
+        touches a record written after this call. False when the stream is empty.
+        """
+        member = self.buffer._rbs[stream]
+        if not len(member):
+            return False
+        slot = torch.tensor([(member.writer._cursor - 1) % self.capacity])
+        generation = member.writer.generations_of(slot)
+        done = member.storage[slot].get(("next", "done")).clone().fill_(True)
+        member.update_if_present(index=slot, generation=generation, patch={("next", "done"): done})
+        return True
+
     def ready(self) -> bool:
         """True once every stream holds at least one full sequence."""
         return all(len(member) >= self.sequence for member in self.buffer._rbs)

@@ -15,10 +15,11 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import CollectionError, Collector
+from dreamer.collect import CollectionError, Collector, WorkerPool
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
+from dreamer.inference import Inference
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, summarize_episodes
 from dreamer.replay import Replay
@@ -65,17 +66,19 @@ def train(cfg: DictConfig) -> None:
     device = settings.topology.learner
     torch.manual_seed(cfg.seed), np.random.seed(cfg.seed), random.seed(cfg.seed)
 
-    envs = [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)]
-    layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
+    eval_env = make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)
+    layout = EnvLayout.from_specs(eval_env.observation_spec, eval_env.action_spec)
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size, settings.loss)
     learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16)
     replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
-    collector = Collector(envs, lambda i: make_env(cfg.env, cfg.seed, i), agent.policy, layout, settings.size,
-                          device, suite=cfg.env.suite)
-    evaluator = Collector([make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)],
-                          lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy, layout,
-                          settings.size, device, explore=False, suite=cfg.env.suite)
+    evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
+                          layout, settings.size, device, explore=False, suite=cfg.env.suite)
+    workers = cfg.run.collect == "workers"
+    collector = None if workers else Collector(
+        [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
+        agent.policy, layout, settings.size, device, suite=cfg.env.suite)
+    inference = pool = None  # the workers' inference server and processes start after the warm-up
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps counts env steps collected while replay is ready, so refilling replay after a
     # resume does not pile up a burst of owed updates.
@@ -121,6 +124,33 @@ def train(cfg: DictConfig) -> None:
         seconds = learner.warmup(learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
+    if workers:
+        inference = Inference(agent.policy, layout, settings.size, cfg.run.envs, settings.topology.inference,
+                              settings.cudagraph, batch_wait=cfg.run.inference_wait_ms / 1000).start()
+
+        def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
+            inference.forget_slot(stream)
+            replay.end_stream(stream)
+
+        pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, settings.size,
+                          inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted).start()
+        print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {inference.device}", flush=True)
+    should_sync = Every(cfg.run.sync_every, learner.updates)
+
+    def gather() -> tuple[int, list]:
+        """The next records into replay: (env steps added, episodes ended)."""
+        if not workers:
+            records, episodes = collector.step()
+            replay.add(records)
+            return cfg.run.envs, episodes
+        if not inference.alive:
+            raise CollectionError("the inference server stopped")
+        steps, episodes = 0, []
+        for chunk in pool.receive(timeout=1.0):
+            replay.add_chunk(chunk.stream, chunk.records)
+            steps, episodes = steps + chunk.records.shape[0], episodes + chunk.episodes
+        return steps, episodes
+
     window: list = []  # episodes ended since the last metrics record
     pending: list = []  # metrics records waiting for the learner's device values
 
@@ -128,53 +158,58 @@ def train(cfg: DictConfig) -> None:
         read, record, env_steps, updates = pending.pop(0)
         metrics.write({**read.result(), **record}, env_steps, updates)
 
-    with checkpoint.GracefulStop() as stop:
-        while counters["env_steps"] < cfg.run.steps and not stop:
-            try:
-                records, episodes = collector.step()
-            except CollectionError as error:
-                save()
-                raise RunError(f"{error} (checkpoint saved at {counters['env_steps']:,} env steps)") from None
-            replay.add(records)
-            counters["env_steps"] += cfg.run.envs
-            counters["episodes"] += len(episodes)
-            window += episodes
-            for episode in episodes:
-                metrics.episode(episode.score)
+    try:
+        with checkpoint.GracefulStop() as stop:
+            while counters["env_steps"] < cfg.run.steps and not stop:
+                try:
+                    steps, episodes = gather()
+                except CollectionError as error:
+                    save()
+                    raise RunError(f"{error} (checkpoint saved at {counters['env_steps']:,} env steps)") from None
+                counters["env_steps"] += steps
+                counters["episodes"] += len(episodes)
+                window += episodes
+                for episode in episodes:
+                    metrics.episode(episode.score)
 
-            if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
-                counters["train_steps"] += cfg.run.envs
-                counters["owed_updates"] += ratio(counters["train_steps"])
-                while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
-                    counters["owed_updates"] -= 1
-                    batch, handles = replay.sample()
-                    batch = learner.update(batch[:, :-1])
-                    if cfg.replay.context:
-                        context = batch.get("replay_context")
-                        replay.write_back(handles, context.get("state"), context.get("belief"))
+                if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
+                    counters["train_steps"] += steps
+                    counters["owed_updates"] += ratio(counters["train_steps"])
+                    while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
+                        counters["owed_updates"] -= 1
+                        batch, handles = replay.sample()
+                        batch = learner.update(batch[:, :-1])
+                        if cfg.replay.context:
+                            context = batch.get("replay_context")
+                            replay.write_back(handles, context.get("state"), context.get("belief"))
+                        if workers and should_sync(learner.updates):  # never waits for the server
+                            inference.sync()
 
-            metrics.tick(counters["env_steps"])
-            if should_log(counters["env_steps"]):
-                record = {**summarize_episodes(window), "env/restarts": collector.restarts}
-                pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
-                window.clear()
-            while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
+                metrics.tick(counters["env_steps"])
+                if should_log(counters["env_steps"]):
+                    record = {**summarize_episodes(window), "env/restarts": (pool or collector).restarts,
+                              **(inference.stats() if workers else {})}
+                    pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
+                    window.clear()
+                while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
+                    write_pending()
+                # The last scheduled evaluation is the final one, after the loop.
+                if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
+                    run_eval("eval")
+                if should_save(counters["env_steps"]):
+                    save()
+
+            while pending:
                 write_pending()
-            # The last scheduled evaluation is the final one, after the loop.
-            if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
-                run_eval("eval")
-            if should_save(counters["env_steps"]):
-                save()
-
-        while pending:
-            write_pending()
-        save()
-        if stop:
-            print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
-        elif cfg.run.eval_episodes:
-            run_eval("final_eval")
-    for part in (metrics, replay, collector, evaluator):
-        part.close()
+            save()
+            if stop:
+                print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
+            elif cfg.run.eval_episodes:
+                run_eval("final_eval")
+    finally:  # also when the run stops with an error: no worker process or server thread outlives it
+        for part in (pool, inference, metrics, replay, collector, evaluator):
+            if part is not None:
+                part.close()
 
 
 def cli() -> None:

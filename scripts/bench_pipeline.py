@@ -1,0 +1,251 @@
+"""Collection and training together: env workers, the inference server, replay and the learner, measured.
+
+    python scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 --latency 0.05
+    python scripts/bench_pipeline.py --device cpu --model smoke --batch 4 --length 8 --envs 4 --seconds 5   # CI smoke
+
+One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated Minecraft env with
+`--latency` s per step, `dreamer.collect.WorkerPool`, `dreamer.inference.Inference`, `dreamer.replay.Replay`,
+`dreamer.learner.Learner`), in four phases, one JSON line each:
+
+  collect   (a) collection alone: env steps/s with the learner idle (replay filling).
+  train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
+            training); (c) learner updates/s and its GPU busy fraction (summed CUDA-event time of the
+            updates over the phase's wall time); weight syncs every --sync-every updates.
+  overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
+            same update on a batch resident on the device; collection keeps running in both.
+  inference (e) the server's batched pass: p50 / p99 ms over the recent batches, mean batch size.
+
+A last line holds the ratios (b)/(a) and (d). Learner warm-up (compile, capture) comes first and is
+reported, not timed in any phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
+from dreamer.collect import WorkerPool  # noqa: E402
+from dreamer.config import CONFIG_DIR  # noqa: E402
+from dreamer.envs import make_env  # noqa: E402
+from dreamer.inference import Inference  # noqa: E402
+from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
+from dreamer.replay import Replay  # noqa: E402
+
+
+def _size(name: str) -> ModelSize:
+    path = CONFIG_DIR / "model" / f"{name}.yaml"
+    if not path.exists():  # the smoke preset's tiny model
+        model = yaml.safe_load((CONFIG_DIR / "debug" / "smoke.yaml").read_text())["model"]
+    else:
+        model = yaml.safe_load(path.read_text())
+    model.pop("name", None)
+    return ModelSize(**model)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+class Pipeline:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        env_cfg = OmegaConf.load(CONFIG_DIR / "env" / "emulated.yaml")
+        env_cfg.step_latency = args.latency
+        self.env_cfg = OmegaConf.to_container(env_cfg, resolve=True)
+        probe = make_env(env_cfg, 0)
+        self.layout = EnvLayout.from_specs(probe.observation_spec, probe.action_spec)
+        probe.close()
+        self.size = _size(args.model)
+        torch.manual_seed(0)
+        with torch.device(self.device):
+            self.agent = build_agent(self.layout, self.size, LossSettings())
+        self.learner = Learner(self.agent, OptimizerSettings(), self.device, compile=self.cuda and not args.no_compile,
+                               cudagraph=self.cuda, bf16=self.cuda)
+        self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device)
+        self.steps = 0
+
+    def warmup(self) -> float:
+        start = time.perf_counter()
+        if self.learner.needs_warmup:
+            self.learner.warmup(self.learner.synthetic_batch(self.args.batch, self.args.length))
+        return time.perf_counter() - start
+
+    def start_collection(self) -> None:
+        args = self.args
+        self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs,
+                                   torch.device(args.inference_device or args.device), cudagraph=self.cuda,
+                                   batch_wait=args.inference_wait_ms / 1000).start()
+
+        def restarted(stream: int) -> None:
+            self.inference.forget_slot(stream)
+            self.replay.end_stream(stream)
+
+        self.pool = WorkerPool(self.env_cfg, 0, self.layout, self.size, self.inference.clients, args.chunk,
+                               "emulated", on_restart=restarted).start()
+
+    def gather(self, timeout: float) -> int:
+        steps = 0
+        for chunk in self.pool.receive(timeout):
+            self.replay.add_chunk(chunk.stream, chunk.records)
+            steps += chunk.records.shape[0]
+        self.steps += steps
+        return steps
+
+    def update(self, resident=None) -> None:
+        if resident is not None:
+            self.learner.update(resident)
+            return
+        batch, handles = self.replay.sample()
+        batch = self.learner.update(batch[:, :-1])
+        context = batch.get("replay_context")
+        self.replay.write_back(handles, context.get("state"), context.get("belief"), wait=False)
+
+    def timed_update(self, resident=None) -> tuple:
+        if not self.cuda:
+            start = time.perf_counter()
+            self.update(resident)
+            return (time.perf_counter() - start,)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        self.update(resident)
+        end.record()
+        return begin, end
+
+    @staticmethod
+    def seconds(timing: tuple) -> float:
+        return timing[0] if len(timing) == 1 else timing[0].elapsed_time(timing[1]) / 1e3
+
+    def close(self) -> None:
+        self.pool.close()
+        self.inference.close()
+        self.replay.close()
+
+
+def phase_collect(p: Pipeline, seconds: float) -> dict:
+    """(a) until replay can be sampled and at least `seconds`; the rate over the last `seconds`."""
+    while not p.replay.ready():
+        p.gather(1.0)
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        steps += p.gather(0.5)
+    wall = time.perf_counter() - start
+    return {"phase": "collect", "env_steps_per_s": round(steps / wall, 1), "seconds": round(wall, 1),
+            "replay_records": len(p.replay)}
+
+
+def phase_train(p: Pipeline, seconds: float) -> dict:
+    """(b), (c): updates owed at train_ratio / (batch x length) per env step, as the training loop does."""
+    args = p.args
+    per_step = args.train_ratio / (args.batch * args.length)
+    owed, steps, timings, syncs = 0.0, 0, [], 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        arrived = p.gather(0.0 if owed >= 1 else 0.5)
+        steps += arrived
+        owed += arrived * per_step
+        while owed >= 1 and time.perf_counter() - start < seconds:
+            owed -= 1
+            timings.append(p.timed_update())
+            if p.learner.updates % args.sync_every == 0:
+                syncs += bool(p.inference.sync())
+    if p.cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    busy = sum(p.seconds(t) for t in timings)
+    return {"phase": "train", "env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
+            "updates_per_s": round(len(timings) / wall, 2), "learner_busy": round(busy / wall, 3),
+            "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1)}
+
+
+def phase_overhead(p: Pipeline, updates: int) -> dict:
+    """(d) update time with sampling + write-back vs a resident batch, alternating blocks, medians."""
+    resident = p.replay.sample()[0][:, :-1].to(p.device)
+    with_replay, alone = [], []
+    for block in range(2 * max(1, updates // 5)):
+        target = with_replay if block % 2 == 0 else alone
+        for _ in range(5):
+            p.gather(0.0)  # collection keeps running
+            if p.cuda:  # wall time per update, the learner's stream drained before and after
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            p.update(None if target is with_replay else resident)
+            if p.cuda:
+                torch.cuda.synchronize()
+            target.append(time.perf_counter() - start)
+    a, b = statistics.median(with_replay), statistics.median(alone)
+    return {"phase": "overhead", "ms_with_replay": round(a * 1e3, 2), "ms_resident": round(b * 1e3, 2),
+            "overhead": round(a / b - 1, 4), "updates": len(with_replay) + len(alone)}
+
+
+def phase_inference(p: Pipeline) -> dict:
+    forward = p.inference.forward_ms()
+    stats = p.inference.server.stats()
+    return {"phase": "inference", "p50_ms": round(_percentile(forward, 0.5), 3),
+            "p99_ms": round(_percentile(forward, 0.99), 3), "batches": len(forward),
+            "mean_batch": round(stats["avg_batch_size"], 1), "device": str(p.inference.device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--inference-device", help="default: --device (learner and server share it)")
+    parser.add_argument("--model", default="size50m")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--envs", type=int, default=64)
+    parser.add_argument("--latency", type=float, default=0.05, help="emulated seconds per env step")
+    parser.add_argument("--train-ratio", type=float, default=16)
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--inference-wait-ms", type=float, default=2.0)
+    parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
+    parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
+    parser.add_argument("--overhead-updates", type=int, default=30)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    args = parser.parse_args()
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
+
+    p = Pipeline(args)
+    config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
+              "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
+              "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
+              "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}
+    emit({"phase": "warmup", **config, "warmup_seconds": round(p.warmup(), 1)})
+    p.start_collection()
+    try:
+        a = phase_collect(p, args.seconds)
+        emit(a)
+        b = phase_train(p, args.seconds)
+        emit(b)
+        d = phase_overhead(p, args.overhead_updates)
+        emit(d)
+        emit(phase_inference(p))
+        emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / a["env_steps_per_s"], 4),
+              "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
+    finally:
+        p.close()
+
+
+if __name__ == "__main__":
+    main()

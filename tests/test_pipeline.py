@@ -1,0 +1,179 @@
+"""Collection at scale on CPU: the inference server, its weight sync, env worker processes and their faults.
+
+Everything here is real: torchrl's inference server with the process-slot transport, spawned worker
+processes running gymnasium's CartPole, SIGKILL. Only the inference server's death is provoked, by
+shutting its thread down from outside (nothing in the product can make it die on purpose).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from torchrl.envs import ExplorationType, set_exploration_type
+
+import dreamer.train as train_module
+from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
+from dreamer.collect import WorkerPool
+from dreamer.config import CONFIG_DIR
+from dreamer.envs import make_env
+from dreamer.inference import Inference, request_spec
+from dreamer.replay import Replay
+from tests.conftest import run_train
+
+SIZE = ModelSize(deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
+ENV = {"suite": "gym", "task": "CartPole-v1", "max_episode_steps": 500}
+
+
+def _agent():
+    env = make_env(OmegaConf.create(ENV), 0)
+    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
+    env.close()
+    torch.manual_seed(0)
+    return layout, build_agent(layout, SIZE, LossSettings())
+
+
+def _request(layout: EnvLayout, seed: int) -> TensorDict:
+    generator = torch.Generator().manual_seed(seed)
+    request = request_spec(layout, SIZE)
+    for key, value in request.items(include_nested=True, leaves_only=True):
+        if value.is_floating_point():
+            value.copy_(torch.randn(value.shape, generator=generator))
+    request.set("is_init", torch.zeros(1, dtype=torch.bool))
+    return request
+
+
+def _direct(agent, request: TensorDict) -> TensorDict:
+    torch.manual_seed(7)
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        return agent.policy(request.unsqueeze(0).clone()).get("policy")[0].apply(lambda x: x.float())
+
+
+def _served(client, request: TensorDict) -> TensorDict:
+    """The server's answer; the posterior's latent is sampled in any mode, from the same seed as _direct."""
+    torch.manual_seed(7)  # the server thread draws from the process's default generator
+    return client(request)
+
+
+def test_the_server_answers_like_the_policy_and_sees_new_weights_only_after_a_sync():
+    layout, agent = _agent()
+    inference = Inference(agent.policy, layout, SIZE, clients=2, device=torch.device("cpu"), explore=False).start()
+    try:
+        client = inference.clients[0]
+        request = _request(layout, 1)
+        before = _direct(agent, request)
+        answer = _served(client, request)
+        for key in ("state", "belief", "action"):
+            torch.testing.assert_close(answer.get(("policy", key)), before.get(key), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # the learner's update, in place
+            for parameter in agent.policy.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+        after = _direct(agent, request)
+        assert not torch.allclose(after.get("belief"), before.get("belief"))
+        assert not torch.equal(after.get("state"), before.get("state"))
+        torch.testing.assert_close(_served(client, request).get("policy"), before)  # its own copy
+        assert inference.sync()
+        torch.testing.assert_close(_served(client, request).get("policy"), after, rtol=1e-5, atol=1e-5)
+        assert inference.stats()["inference/weight_syncs"] == 1
+    finally:
+        inference.close()
+
+
+def _receive_until(pool: WorkerPool, replay: Replay, condition, seconds: float = 180.0) -> list:
+    chunks = []
+    deadline = time.monotonic() + seconds
+    while not condition(chunks):
+        assert time.monotonic() < deadline, f"no progress: {len(chunks)} chunks from {[c.stream for c in chunks]}"
+        for chunk in pool.receive(timeout=1.0):
+            replay.add_chunk(chunk.stream, chunk.records)
+            chunks.append(chunk)
+    return chunks
+
+
+def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing_nothing_in_replay():
+    layout, agent = _agent()
+    replay = Replay(2, 4000, 2, 4, torch.device("cpu"))
+    inference = Inference(agent.policy, layout, SIZE, clients=2, device=torch.device("cpu")).start()
+    ends = []  # (stream, newest stored slot) at each restart
+
+    def restarted(stream: int) -> None:
+        inference.forget_slot(stream)
+        ends.append((stream, len(replay.buffer._rbs[stream]) - 1))
+        replay.end_stream(stream)
+
+    pool = WorkerPool(ENV, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", on_restart=restarted).start()
+    try:
+        first = _receive_until(pool, replay, lambda got: sum(c.stream == 0 for c in got) >= 2)
+        for chunk in first:
+            records = chunk.records
+            assert records.shape[0] == 8 and records.get("is_init").shape == (8, 1)
+            # Consecutive: the carry of record t + 1 is the posterior after record t, so within an
+            # episode the previous action stored in t + 1 is the one chosen at t (never all zero).
+            continuing = ~records.get("is_init")[1:, 0]
+            assert (records.get("action")[1:][continuing].sum(-1) == 1).all()
+        assert any(c.records.get("is_init").any() for c in first if c.stream == 0)  # the worker's first reset
+        snapshot = replay.buffer._rbs[0].storage[: len(replay.buffer._rbs[0])].clone()
+
+        os.kill(pool.processes[0].pid, signal.SIGKILL)
+        after = _receive_until(pool, replay, lambda got: bool(ends) and any(c.stream == 0 for c in got[-1:]))
+        assert pool.restarts >= 1 and [stream for stream, _ in ends] == [0]
+        stored = replay.buffer._rbs[0].storage[: snapshot.shape[0]]
+        end_slot = ends[0][1]
+        assert end_slot >= snapshot.shape[0] - 1
+        for key in ("state", "belief", "action", ("next", "observation"), ("next", "reward")):
+            assert torch.equal(stored.get(key), snapshot.get(key)), key  # nothing already in replay is lost
+        assert bool(replay.buffer._rbs[0].storage[end_slot].get(("next", "done")))  # truncated there
+        new_chunk = next(c for c in after if c.stream == 0 and c is after[-1])
+        assert bool(new_chunk.records.get("is_init")[0])  # the replacement starts a fresh episode
+    finally:
+        pool.close()
+        inference.close()
+
+
+def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir):
+    result = run_train(["+debug=smoke", "run.name=workers", "run.collect=workers", "run.envs=4", "run.chunk=16",
+                        "run.steps=384", "run.train_start=128", "run.sync_every=2"], workdir, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "4 env worker processes" in result.stdout
+    records = [json.loads(line) for line in (workdir / "runs" / "workers" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
+    assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
+    assert any(r["kind"] == "final_eval" for r in records)
+
+
+@pytest.fixture
+def smoke_cfg(tmp_path):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "+debug=smoke", "run.collect=workers", "run.envs=2", "run.chunk=8", "run.steps=100000",
+            f"run.dir={tmp_path / 'run'}", "run.eval_every=0", "run.name=dies", "logger.wandb=false"])
+    return cfg
+
+
+def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoint(smoke_cfg, monkeypatch):
+    class Dying(Inference):
+        def start(self):  # the server thread stops after its 20th batch (provoked from outside)
+            super().start()
+
+            def stop_later():
+                while self.server.stats()["batches"] < 20:
+                    time.sleep(0.05)
+                self.server.shutdown()
+
+            threading.Thread(target=stop_later, daemon=True).start()
+            return self
+
+    monkeypatch.setattr(train_module, "Inference", Dying)
+    with pytest.raises(train_module.RunError, match="the inference server stopped .*checkpoint saved at"):
+        train_module.train(smoke_cfg)
+    assert list((Path(smoke_cfg.run.dir) / "checkpoints").glob("ckpt-*.pt"))
