@@ -4,7 +4,7 @@ Workers send one record each (the carry the policy had before o[t], and o[t] und
 `dreamer.collect`) through torchrl's process-slot transport: every worker owns a fixed shared-memory
 slot, and only a wake-up signal crosses processes. torchrl's `InferenceServer` runs in a thread of the
 trainer process on the inference device and answers a whole sweep of ready slots with one batched pass;
-on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows.
+on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows, run on a stream of its own.
 
 The server acts with its own copy of the policy's weights: the learner updates its weights in place,
 inside a CUDA graph, while the server reads its copy. `WeightSync` refreshes the copy every
@@ -136,6 +136,22 @@ class KillSafeSlotTransport(ProcessSlotTransport):
         )
 
 
+class _StreamServer(InferenceServer):
+    """torchrl's server, its serving thread on a CUDA stream of its own.
+
+    A thread's current stream is the device's default stream, which the learner uses: on a shared GPU
+    every inference pass would queue behind the learner's update. torch's streams do not synchronize
+    with the default one, so the two overlap.
+    """
+
+    def _run(self) -> None:
+        device = self.policy_device
+        if device is None or torch.device(device).type != "cuda":
+            return super()._run()
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            return super()._run()
+
+
 class _Acting(nn.Module):
     """The served callable: the acting policy under a fixed exploration type, answering only `policy`.
 
@@ -247,7 +263,7 @@ class Inference:
         static = clients if (self.device.type == "cuda" and cudagraph) else None
         # The server waits up to `batch_wait` s after the first request for the others, so one pass
         # serves the envs that finished their steps at about the same time.
-        self.server = InferenceServer(
+        self.server = _StreamServer(
             _Acting(served, explore),
             self.transport,
             max_batch_size=clients,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,6 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.modules.models.model_based import _straight_through_categorical, two_hot_cross_entropy, two_hot_decode
 from torchrl.objectives import symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
-from torchrl.objectives.value.functional import td_lambda_return_estimate
 
 from dreamer.agent import IMAGE_KEY, Agent
 
@@ -118,6 +118,31 @@ class LaProp:
             self.step_count.copy_(state["step"])
 
 
+def lambda_returns(reward, next_value, done, terminated, gamma: float, lmbda: float) -> torch.Tensor:
+    """TD(lambda) returns [B, T] from [B, T, 1] inputs, as torchrl's `td_lambda_return_estimate`, without
+    a loop over time.
+
+    torchrl's recursion, with v = next_value zeroed where terminated and d = done:
+        g_t = b_t + a_t g_{t+1},  a_t = gamma lmbda (1 - d_t),  b_t = r_t + gamma v_t (1 - lmbda + lmbda d_t),
+        g_T = v_{T-1}.
+    Unrolled: g_t = sum_{j >= t} (a_t ... a_{j-1}) b_j, with b_T = g_T. The products come from one cumprod
+    over a [B, T, T + 1] tensor. Inside the compiled loss this is a few kernels; the loop it replaces was
+    T steps of unrolled graph (at T = 256, tens of seconds of compilation, more with torchrl's in-place
+    writes into the result).
+    """
+    length = reward.shape[1]
+    v = (next_value * (~terminated)).squeeze(-1)
+    d = done.squeeze(-1).float()
+    a = gamma * lmbda * (1 - d)
+    b = torch.cat([reward.squeeze(-1) + gamma * v * ((1 - lmbda) + lmbda * d), v[:, -1:]], 1)  # [B, T + 1]
+    t = torch.arange(length, device=reward.device)[:, None]
+    j = torch.arange(length + 1, device=reward.device)[None, :]
+    # factors[., t, j] = a_{j-1} for j > t, else 1; the running product over j is a_t ... a_{j-1}.
+    factors = torch.where(j > t, F.pad(a, (1, 0))[:, None, :], torch.ones((), device=reward.device))
+    products = torch.cumprod(factors, -1) * (j >= t)
+    return (products * b[:, None, :]).sum(-1)
+
+
 class MetricsRead:
     """Device metrics on their way to pinned host memory: `ready()` never blocks, `result()` waits."""
 
@@ -137,17 +162,32 @@ class MetricsRead:
 
 
 class _Compiled:
-    """A function that is compiled once its learner asks for it (`torch.compile`, fixed shapes)."""
+    """A function that is compiled once its learner asks for it (`torch.compile`, fixed shapes).
 
-    def __init__(self, fn):
+    The host time of the first compiled call (compilation, mostly) is kept in `compile_seconds` and
+    reported through `progress`, so a slow warm-up says which piece it spends its time in.
+    """
+
+    def __init__(self, fn, progress=None):
         self.fn = fn
         self.compiled = None
+        self.compile_seconds: float | None = None
+        self.progress = progress
 
     def enable(self) -> None:
         self.compiled = torch.compile(self.fn, dynamic=False)
 
     def __call__(self, *args):
-        return (self.compiled or self.fn)(*args)
+        if self.compiled is None:
+            return self.fn(*args)
+        if self.compile_seconds is not None:
+            return self.compiled(*args)
+        start = time.perf_counter()
+        out = self.compiled(*args)
+        self.compile_seconds = time.perf_counter() - start
+        if self.progress is not None:
+            self.progress(f"compiled {self.fn.__name__.strip('_')} in {self.compile_seconds:.1f} s")
+        return out
 
 
 class Learner:
@@ -159,9 +199,11 @@ class Learner:
         compile: bool = False,
         cudagraph: bool = False,
         bf16: bool = False,
+        progress: Callable[[str], None] | None = None,
     ):
         self.agent = agent
         self.device = torch.device(device)
+        self.progress = progress  # one line per warm-up milestone (compiled pieces, capture)
         if cudagraph and self.device.type != "cuda":
             raise ValueError("a CUDA graph needs a CUDA learner device")
         self.compile, self.cudagraph, self.bf16 = compile, cudagraph, bf16 and self.device.type == "cuda"
@@ -185,11 +227,11 @@ class Learner:
         estimator = loss.actor_loss.value_estimator
         self.gamma = estimator.gamma.to(self.device)
         self.retnorm = loss.actor_loss.retnorm
-        self._embed = _Compiled(self._embed_fn)
-        self._cell = _Compiled(self._cell_fn)
-        self._imagine_actor = _Compiled(self._actor_fn)
-        self._imagine_prior = _Compiled(self._prior_fn)
-        self._tail = _Compiled(self._tail_fn)
+        self._embed = _Compiled(self._embed_fn, self._report)
+        self._cell = _Compiled(self._cell_fn, self._report)
+        self._imagine_actor = _Compiled(self._actor_fn, self._report)
+        self._imagine_prior = _Compiled(self._prior_fn, self._report)
+        self._tail = _Compiled(self._tail_fn, self._report)
         # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
         # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
         self._optimize = self._optimize_fn
@@ -467,11 +509,9 @@ class Learner:
         with torch.no_grad():
             bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]
             done, terminated = inputs["done"], inputs["terminated"]
-            # The loop form of torchrl's estimator (its vectorized form finds trajectory ends on the host).
-            replay_target = td_lambda_return_estimate(
-                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda,
-                next_state_value=bootstrap[:, 1:], reward=inputs["reward"][:, 1:], done=done[:, 1:],
-                terminated=terminated[:, 1:]).squeeze(-1)  # [B, T-1]
+            replay_target = lambda_returns(
+                inputs["reward"][:, 1:], bootstrap[:, 1:], done[:, 1:], terminated[:, 1:],
+                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda)  # [B, T-1]
             replay_weight = (~done[:, :-1].squeeze(-1)).float()
         replay_logits = self._critic(states, beliefs)[:, :-1]
         replay_loss = two_hot_cross_entropy(replay_logits, replay_target, self.value_bins)
@@ -607,6 +647,10 @@ class Learner:
         return TensorDict({"state": torch.zeros(*shape, size.latent), "belief": torch.zeros(*shape, size.deter),
                            "action": action, "is_init": is_init, "next": nxt}, list(shape), device=self.device)
 
+    def _report(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
+
     def warmup(self, batch: TensorDictBase) -> float:
         """Compiles and captures the step on `batch` (its shapes only matter); returns the seconds taken.
 
@@ -628,10 +672,13 @@ class Learner:
                 for _ in range(3):
                     self._step(inputs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            self._report(f"3 warm-up updates done at {time.perf_counter() - start:.1f} s")
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
                 self._outputs = self._step(inputs)
             self._static = inputs
+            self._report(f"captured the CUDA graph at {time.perf_counter() - start:.1f} s")
         else:
             self._step(inputs)
         self._restore(saved)

@@ -11,9 +11,8 @@ In a multirun (`-m`), `auto` gives each job one GPU, job number mod GPU count, f
 the parallel jobs of a joblib sweep on one node never share a GPU. The learner uses one GPU; a
 data-parallel learner over several is not built.
 
-At this stage the learner's device is used for training and acting (collection is synchronous); the
-inference and rendering devices are decided and printed, and are used once the inference server and
-the worker processes exist.
+The learner's device trains, and acts too with `run.collect=inline`; with `run.collect=workers` the
+inference server runs on the inference device. Rendering devices are decided and printed, not used yet.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def train(cfg: DictConfig) -> None:
     layout = EnvLayout.from_specs(eval_env.observation_spec, eval_env.action_spec)
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size, settings.loss)
-    learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16)
+    learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
+                      progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
     replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
     evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)

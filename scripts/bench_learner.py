@@ -137,12 +137,16 @@ def run_single(args) -> dict:
               "parameters": agent.networks.parameter_count()}
     if args.single.startswith("ours"):
         compile = cuda and args.single == "ours"
-        learner = Learner(agent, OptimizerSettings(), device, compile=compile, cudagraph=cuda, bf16=cuda)
+        learner = Learner(agent, OptimizerSettings(), device, compile=compile, cudagraph=cuda, bf16=cuda,
+                          progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
         if args.flops:
             result["gflop_per_update"] = round(_flops(learner, batch) / 1e9, 1)
         start = time.perf_counter()
         learner.warmup(batch)
         result["warmup_seconds"] = round(time.perf_counter() - start, 1)
+        result["compile_seconds"] = {name: round(piece.compile_seconds, 1) for name, piece in (
+            ("embed", learner._embed), ("cell", learner._cell), ("imagine_actor", learner._imagine_actor),
+            ("imagine_prior", learner._imagine_prior), ("tail", learner._tail)) if piece.compile_seconds is not None}
 
         def update():
             learner.update(batch)
@@ -250,8 +254,12 @@ def main() -> None:
                 result = {"variant": variant, "error": f"exit {done.returncode}: {' | '.join(tail)}"}
             else:
                 result = json.loads(lines[-1])
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as error:
             result = {"variant": variant, "error": f"did not finish warm-up and measurement within {args.limit:.0f} s"}
+            progress = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
+            reached = [line for line in progress.splitlines() if line.startswith("warm-up: ")]
+            if reached:  # where the time went: the compiled pieces and the capture that finished
+                result["warmup_progress"] = [line[len("warm-up: "):] for line in reached]
         result["seconds"] = round(time.perf_counter() - start, 1)
         if "updates_per_second" in result:
             result["env_steps_per_second_at_train_ratio"] = round(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -218,6 +219,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
 
     def emit(record: dict) -> None:
         line = json.dumps(record)

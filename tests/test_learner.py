@@ -160,3 +160,19 @@ def test_compiled_step_follows_the_eager_updates_on_cpu():
             assert abs(ours[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, ours[key], value)
     for a, b in zip(compiled.params, eager.params):
         assert _close(a.detach(), b.detach(), 1e-4)
+
+
+@pytest.mark.parametrize("length", [1, 7, 64])
+def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
+    from torchrl.objectives.value.functional import td_lambda_return_estimate
+
+    from dreamer.learner import lambda_returns
+
+    g = torch.Generator().manual_seed(length)
+    reward, value = torch.randn(5, length, 1, generator=g), torch.randn(5, length, 1, generator=g)
+    done = torch.rand(5, length, 1, generator=g) < 0.15
+    terminated = done & (torch.rand(5, length, 1, generator=g) < 0.5)
+    expected = td_lambda_return_estimate(gamma=0.997, lmbda=0.95, next_state_value=value, reward=reward,
+                                         done=done, terminated=terminated).squeeze(-1)
+    got = lambda_returns(reward, value, done, terminated, gamma=0.997, lmbda=0.95)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

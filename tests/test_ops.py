@@ -96,6 +96,19 @@ def test_learner_benchmark_runs_on_cpu(workdir):
     assert len((workdir / "bench.jsonl").read_text().splitlines()) == 3
 
 
+def test_pipeline_benchmark_runs_on_cpu(workdir):
+    """Every phase reports, with 4 emulated-env workers and the CPU inference server (timings not checked)."""
+    bench = _python([str(ROOT / "scripts" / "bench_pipeline.py"), "--device", "cpu", "--model", "smoke", "--batch", "4",
+                     "--length", "8", "--envs", "4", "--latency", "0.01", "--seconds", "3", "--overhead-updates",
+                     "4", "--replay", "4000", "--out", "pipeline.jsonl"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = {r["phase"]: r for r in map(json.loads, (workdir / "pipeline.jsonl").read_text().splitlines())}
+    assert list(rows) == ["warmup", "collect", "train", "overhead", "inference", "ratios"]
+    assert rows["collect"]["env_steps_per_s"] > 0 and rows["train"]["updates"] > 0
+    assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
+    assert rows["ratios"]["worker_restarts"] == 0
+
+
 def test_the_slurm_launcher_config_composes():
     """hydra/launcher=slurm resolves to submitit's Slurm launcher with one GPU per job (nothing is submitted)."""
     from hydra import compose, initialize_config_dir

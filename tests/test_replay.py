@@ -164,3 +164,39 @@ def test_a_stale_write_back_is_never_applied_even_racing_inserts(operations):
         for value, t in zip(stored.get("state")[:, 0].tolist(), stored.get("t").tolist()):
             assert value in (0.0, float(t - 1)), (value, t)
     replay.close()
+
+
+def _chunk(stream: int, steps: range, width: int = 3) -> TensorDict:
+    """Consecutive records of one stream, traceable like _records."""
+    n = len(steps)
+    return TensorDict({
+        "t": torch.tensor([1000 * stream + step for step in steps]),
+        "state": torch.zeros(n, width),
+        "belief": torch.zeros(n, width),
+        "is_init": torch.zeros(n, 1, dtype=torch.bool),
+        "next": {"done": torch.zeros(n, 1, dtype=torch.bool)},
+    }, [n])
+
+
+def test_a_chunk_goes_to_its_own_stream_in_order():
+    replay = _replay(streams=3, size=60, batch_size=8, batch_length=3)
+    for step in range(0, 8, 4):  # chunks of 4 arrive per stream, in any stream order
+        for stream in (2, 0, 1):
+            replay.add_chunk(stream, _chunk(stream, range(step, step + 4)))
+    for stream in range(3):
+        assert _stored(replay, stream).get("t").tolist() == [1000 * stream + s for s in range(8)]
+    batch, _ = replay.sample()
+    t = batch.get("t")
+    assert ((t[:, 1:] - t[:, :-1]) == 1).all()  # windows stay inside one stream, consecutive
+
+
+def test_end_stream_marks_only_the_newest_record_of_that_stream():
+    replay = _replay(streams=2, size=40, batch_size=2, batch_length=3)
+    replay.add_chunk(0, _chunk(0, range(25)))  # wraps around: the newest record is not the last slot
+    replay.add_chunk(1, _chunk(1, range(5)))
+    assert replay.end_stream(0)
+    stored = _stored(replay, 0)
+    done = stored.get(("next", "done"))[:, 0]
+    assert done.sum() == 1 and int(stored.get("t")[done]) == 24
+    assert not _stored(replay, 1).get(("next", "done")).any()
+    assert not _replay(streams=1, size=20, batch_size=1, batch_length=3).end_stream(0)  # empty: nothing to end
