@@ -200,3 +200,31 @@ def test_end_stream_marks_only_the_newest_record_of_that_stream():
     assert done.sum() == 1 and int(stored.get("t")[done]) == 24
     assert not _stored(replay, 1).get(("next", "done")).any()
     assert not _replay(streams=1, size=20, batch_size=1, batch_length=3).end_stream(0)  # empty: nothing to end
+
+
+def test_grouped_write_back_equals_one_masked_update_per_member():
+    """The ensemble's grouping (one stable sort and a bincount) against the plain per-member masks."""
+    grouped, masked = _replay(streams=4, size=80, batch_size=12, batch_length=3), \
+        _replay(streams=4, size=80, batch_size=12, batch_length=3)
+    for step in range(15):
+        grouped.add(_records(step, 4))
+        masked.add(_records(step, 4))
+    (batch, handles), (batch_m, handles_m) = grouped.sample(), masked.sample()
+    assert torch.equal(batch.get("t"), batch_m.get("t"))
+    state = torch.randn(12, 3, 3)
+    grouped.write_back(handles, state, state + 1).result()
+
+    index = handles_m.get("index")[:, 1:].reshape(-1)
+    generation = handles_m.get("index_generation")[:, 1:].reshape(-1)
+    members, slots = index.get("buffer_ids"), index.get("index")
+    keep = last_write_wins(torch.stack([members, slots], -1))
+    rows = state.reshape(-1, 3)[keep]
+    for member in range(4):
+        mask = members[keep] == member
+        masked.buffer._rbs[member].update_if_present(
+            index=slots[keep][mask], generation=generation[keep][mask],
+            patch={"state": rows[mask], "belief": rows[mask] + 1})
+    for member in range(4):
+        assert torch.equal(_stored(grouped, member).get("state"), _stored(masked, member).get("state"))
+        assert torch.equal(_stored(grouped, member).get("belief"), _stored(masked, member).get("belief"))
+    assert any(_stored(grouped, member).get("state").abs().sum() > 0 for member in range(4))
