@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -266,13 +267,26 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
 
     from dreamer.envs import make_env
 
+    # Stopping is the trainer's call (it saves first, then closes the pool): Ctrl-C or a SIGTERM sent to
+    # the whole process group must not kill the workers under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
     cfg = OmegaConf.create(env_cfg)
-    collector = Collector([make_env(cfg, seed, index)], lambda _: make_env(cfg, seed, index),
-                          _RemotePolicy(client), layout, size, torch.device("cpu"), suite=suite,
-                          max_restarts=max_restarts)
-    records, episodes, restarts = [], [], 0
+    collector = None
     try:
+        for attempt in range(1, max_restarts + 1):  # starting an env can fail now and then (MineRL does)
+            try:
+                env = make_env(cfg, seed, index)
+                break
+            except Exception as error:
+                if attempt == max_restarts:
+                    reason = str(error).splitlines()[0] if str(error) else ""
+                    raise CollectionError(f"{suite} env {index} could not be created {attempt} times in a row, "
+                                          f"last with {type(error).__name__}: {reason}; stopping") from None
+        collector = Collector([env], lambda _: make_env(cfg, seed, index), _RemotePolicy(client), layout, size,
+                              torch.device("cpu"), suite=suite, max_restarts=max_restarts)
+        records, episodes, restarts = [], [], 0
         while not stop.is_set():
             record, ended = collector.step()
             records.append(record)
@@ -283,10 +297,11 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
                 records, episodes = [], []
     except CollectionError as error:
         writer.send(str(error).replace(f"{suite} env 0 ", f"{suite} env {index} "))
-    except (BrokenPipeError, EOFError, KeyboardInterrupt):  # the trainer is gone or stopping
+    except (BrokenPipeError, EOFError):  # the trainer is gone
         pass
     finally:
-        collector.close()
+        if collector is not None:
+            collector.close()
 
 
 class WorkerPool:

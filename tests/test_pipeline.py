@@ -177,3 +177,20 @@ def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoi
     with pytest.raises(train_module.RunError, match="the inference server stopped .*checkpoint saved at"):
         train_module.train(smoke_cfg)
     assert list((Path(smoke_cfg.run.dir) / "checkpoints").glob("ckpt-*.pt"))
+
+
+def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
+    from dreamer.collect import CollectionError
+
+    layout, agent = _agent()
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
+    broken = {**ENV, "task": "NoSuchTask-v0"}
+    pool = WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
+    try:
+        deadline = time.monotonic() + 120
+        with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row, last with \w+"):
+            while time.monotonic() < deadline:
+                pool.receive(timeout=1.0)
+    finally:
+        pool.close()
+        inference.close()
