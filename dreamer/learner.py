@@ -200,6 +200,7 @@ class Learner:
         cudagraph: bool = False,
         bf16: bool = False,
         progress: Callable[[str], None] | None = None,
+        channels_last: bool = False,
     ):
         self.agent = agent
         self.device = torch.device(device)
@@ -210,6 +211,13 @@ class Learner:
         nets, loss = agent.networks, agent.loss
         self.nets, self.loss = nets, loss
         self.layout, self.size = agent.layout, agent.size
+        if channels_last:
+            # The image CNNs' weights in NHWC: convolutions then take and give channels-last maps (no
+            # NCHW-NHWC transposes around cuDNN's kernels), and the channel RMS norm, which normalizes
+            # over C of a channels-moved view, reads contiguous rows. Same values, other strides.
+            for cnn in (getattr(nets.encoder, "cnn", None), getattr(nets.image_decoder, "net", None)):
+                if cnn is not None:
+                    cnn.to(memory_format=torch.channels_last)
         self.params = [p for p in loss.parameters() if p.requires_grad]
         self.optimizer = LaProp(self.params, optimizer)
         # The slow critic: the value loss's target parameters, by the critic head's own names.

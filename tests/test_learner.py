@@ -176,3 +176,21 @@ def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
                                          done=done, terminated=terminated).squeeze(-1)
     got = lambda_returns(reward, value, done, terminated, gamma=0.997, lmbda=0.95)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_cnns_change_no_result():
+    (plain_agent, batch), (nhwc_agent, _) = _setup(IMAGE), _setup(IMAGE)
+    plain = Learner(plain_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
+    nhwc = Learner(nhwc_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", channels_last=True)
+    convs = [m.weight for m in nhwc_agent.networks.encoder.cnn.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+                         for w in convs)
+    for step in range(2):
+        for learner in (plain, nhwc):
+            torch.manual_seed(30 + step)
+            learner.update(batch.clone())
+        ours, theirs = nhwc.drain(), plain.drain()
+        for key, value in theirs.items():
+            assert abs(ours[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, ours[key], value)
+    for a, b in zip(nhwc.params, plain.params):
+        assert _close(a.detach(), b.detach(), 1e-4)
