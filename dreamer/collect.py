@@ -224,11 +224,11 @@ class Collector:
         )
         return record, episodes
 
-    def run_episodes(self, count: int) -> list[Episode]:
-        """Steps until `count` episodes have ended (evaluation); starts from fresh resets."""
+    def run_episodes(self, count: int, stop: Callable[[], bool] | None = None) -> list[Episode]:
+        """Steps until `count` episodes have ended (evaluation), or until `stop()`; starts from fresh resets."""
         self.reset()
         finished: list[Episode] = []
-        while len(finished) < count:
+        while len(finished) < count and not (stop and stop()):
             _, episodes = self.step()
             finished.extend(episodes)
         return finished[:count]

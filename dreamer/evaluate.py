@@ -14,6 +14,7 @@ import json
 import logging
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,8 @@ from dreamer.collect import Collector, Episode
 
 
 def summarize(finished: list[Episode]) -> dict[str, float]:
+    if not finished:  # stopped before an episode ended
+        return {"eval/episodes": 0}
     scores = [e.score for e in finished]
     return {
         "eval/return_mean": statistics.fmean(scores),
@@ -32,17 +35,18 @@ def summarize(finished: list[Episode]) -> dict[str, float]:
     }
 
 
-def evaluate(collector: Collector, episodes: int) -> dict[str, float]:
-    """Runs `episodes` episodes on the evaluation envs; returns the metrics record."""
-    return summarize(collector.run_episodes(episodes))
+def evaluate(collector: Collector, episodes: int, stop: Callable[[], bool] | None = None) -> dict[str, float]:
+    """Runs `episodes` episodes on the evaluation envs (fewer if `stop()` turns true); the metrics record."""
+    return summarize(collector.run_episodes(episodes, stop))
 
 
-def run_with_frames(collector: Collector, episodes: int) -> tuple[list[Episode], list[torch.Tensor], list]:
+def run_with_frames(collector: Collector, episodes: int, stop: Callable[[], bool] | None = None
+                    ) -> tuple[list[Episode], list[torch.Tensor], list]:
     """Like Collector.run_episodes on one env, also returning its image frames [C, H, W] (if any) and the
     replay records of the first episode."""
     collector.reset()
     finished, frames, first = [], [], []
-    while len(finished) < episodes:
+    while len(finished) < episodes and not (stop and stop()):
         record, ended = collector.step()
         if ("next", "pixels") in record.keys(True):
             frames.append(record.get(("next", "pixels"))[0])

@@ -170,7 +170,7 @@ class Metrics:
     def eta(self, env_steps: int) -> float:
         then, steps0 = self._overall
         rate = (env_steps - steps0) / max(time.perf_counter() - then, 1e-9)
-        return (self.total - env_steps) / rate if rate > 0 else math.inf
+        return max(self.total - env_steps, 0) / rate if rate > 0 else math.inf
 
     def episode(self, score: float) -> None:
         self.last_return = score

@@ -98,14 +98,17 @@ def train(cfg: DictConfig) -> None:
               f"{learner.updates:,} updates", flush=True)
     print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
 
+    def stopped() -> bool:  # a SIGINT / SIGTERM also ends an evaluation early
+        return bool(stop)
+
     def run_eval(kind: str) -> None:
         if cfg.run.eval_video and layout.image_shape is not None:
-            finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes)
+            finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes, stopped)
             record = summarize(finished)
             videos = write_videos(agent.networks, frames, first, run_dir / "eval",
-                                  f"{kind}-{counters['env_steps']:012d}")
+                                  f"{kind}-{counters['env_steps']:012d}") if finished else {}
         else:
-            record, videos = evaluate(evaluator, cfg.run.eval_episodes), {}
+            record, videos = evaluate(evaluator, cfg.run.eval_episodes, stopped), {}
         metrics.write(record, counters["env_steps"], learner.updates, kind=kind)
         metrics.media(videos, counters["env_steps"])
 

@@ -88,3 +88,19 @@ def test_non_finite_observations_stop_collection_naming_suite_key_and_step():
     with pytest.raises(CollectionError, match=r"gym env 0 returned a non-finite observation \(nan or inf\) at its step 5"):
         for _ in range(10):
             collector.step()
+
+
+def test_episodes_stop_early_when_asked_and_none_finished_is_summarized():
+    from dreamer.evaluate import evaluate
+
+    collector, _ = _collector(lambda i: make_env(CARTPOLE, 0, i))
+    calls = []
+
+    def stop_after_three_steps() -> bool:  # a CartPole episode lasts more than three steps
+        calls.append(1)
+        return len(calls) > 3
+
+    assert collector.run_episodes(3, stop_after_three_steps) == [] and len(calls) == 4
+    calls.clear()
+    assert evaluate(collector, 3, stop_after_three_steps) == {"eval/episodes": 0}
+    assert len(collector.run_episodes(2)) == 2  # without a stop, the episodes run to their end
