@@ -308,21 +308,25 @@ class WorkerPool:
     """`len(clients)` env worker processes (spawned), their chunk pipes, and their restarts.
 
     `on_restart(stream)` runs in the trainer before a dead worker's replacement starts (the replay
-    stream is ended there, and the inference slot cleared). A worker that dies `max_restarts` times
-    without delivering a chunk in between stops collection with a CollectionError.
+    stream is ended there, and the inference slot cleared). A worker that sends nothing for
+    `stall_seconds` (a hung simulator) is killed and restarted the same way. A worker that dies
+    `max_restarts` times without delivering a chunk in between stops collection with a CollectionError.
     """
 
     def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
                  chunk: int = 64, suite: str = "env", max_restarts: int = 10,
-                 on_restart: Callable[[int], None] | None = None):
+                 on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0):
         self.args = (env_cfg, seed, layout, size)
         self.clients, self.chunk, self.suite, self.max_restarts = clients, chunk, suite, max_restarts
         self.on_restart = on_restart
+        self.stall_seconds = stall_seconds
+        self.stalls = 0  # workers killed for sending nothing in stall_seconds
         self.context = multiprocessing.get_context("spawn")
         self.stop = self.context.Event()
         n = len(clients)
         self.processes: list = [None] * n
         self.pipes: list[Connection | None] = [None] * n
+        self.heard = [0.0] * n  # when each worker last sent a chunk, or was started
         self.deaths = [0] * n  # deaths in a row, per worker
         self.restarts = 0  # worker restarts plus env rebuilds inside workers
 
@@ -341,6 +345,7 @@ class WorkerPool:
         process.start()
         writer.close()  # the worker holds the only writer: its death closes the pipe
         self.processes[index], self.pipes[index] = process, reader
+        self.heard[index] = time.monotonic()
 
     def _restart(self, index: int) -> None:
         process = self.processes[index]
@@ -362,6 +367,12 @@ class WorkerPool:
 
     def receive(self, timeout: float) -> list[Chunk]:
         """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
+        now = time.monotonic()
+        for index, process in enumerate(self.processes):
+            if now - self.heard[index] > self.stall_seconds and process.is_alive():
+                process.kill()  # its pipe reports the death below, and it is restarted like any other
+                self.stalls += 1
+                self.heard[index] = now
         ready = wait([pipe for pipe in self.pipes], timeout)
         chunks = []
         for pipe in ready:
@@ -374,6 +385,7 @@ class WorkerPool:
             if isinstance(message, str):
                 raise CollectionError(message)
             self.deaths[index] = 0
+            self.heard[index] = time.monotonic()
             self.restarts += message.env_restarts
             chunks.append(message)
         return chunks

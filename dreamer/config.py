@@ -96,7 +96,7 @@ def _flag(value, default: bool, name: str) -> bool:
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
             "run.eval_every", "run.eval_episodes", "run.save_every", "run.keep_checkpoints", "run.chunk",
             "run.sync_every", "replay.size", "optimizer.warmup", "loss.imag_length")
-NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "optimizer.lr", "optimizer.eps", "optimizer.agc",
+NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "optimizer.lr", "optimizer.eps", "optimizer.agc",
            "loss.horizon", "loss.lmbda")
 
 
@@ -121,10 +121,11 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"run.envs must be at least 1, got {cfg.run.envs}")
     if cfg.run.collect not in ("inline", "workers"):
         raise ConfigError(f"run.collect must be inline or workers, got {cfg.run.collect!r}")
-    if cfg.run.chunk < 1 or cfg.run.sync_every < 1 or cfg.run.inference_wait_ms < 0:
+    if cfg.run.chunk < 1 or cfg.run.sync_every < 1 or cfg.run.inference_wait_ms < 0 or cfg.run.worker_stall_s <= 0:
         raise ConfigError(
-            f"run.chunk and run.sync_every must be at least 1 and run.inference_wait_ms at least 0, got "
-            f"{cfg.run.chunk}, {cfg.run.sync_every} and {cfg.run.inference_wait_ms}"
+            f"run.chunk and run.sync_every must be at least 1, run.inference_wait_ms at least 0 and "
+            f"run.worker_stall_s positive, got {cfg.run.chunk}, {cfg.run.sync_every}, "
+            f"{cfg.run.inference_wait_ms} and {cfg.run.worker_stall_s}"
         )
     if cfg.run.steps < 1:
         raise ConfigError(f"run.steps must be at least 1, got {cfg.run.steps}")

@@ -29,9 +29,6 @@ from torchrl.modules.inference_server._process_slot import _ProcessSlotClient
 
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
-POLICY_KEYS = ("state", "belief", "action")
-
-
 def request_spec(layout: EnvLayout, size: ModelSize) -> TensorDict:
     """One worker's request: a replay record without batch dimensions (zeros)."""
     observation = {key: torch.zeros(width) for key, width in zip(layout.vector_keys, layout.vector_sizes)}
@@ -148,7 +145,8 @@ class _StreamServer(InferenceServer):
         device = self.policy_device
         if device is None or torch.device(device).type != "cuda":
             return super()._run()
-        with torch.cuda.stream(torch.cuda.Stream(device)):
+        self.stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self.stream):
             return super()._run()
 
 
@@ -215,10 +213,14 @@ class WeightSync:
         return True
 
     def _apply(self, _model: nn.Module) -> None:
+        # Under the model lock no pass is enqueued, but the last one may still run on the GPU: the copy
+        # waits for the server's stream, and is complete before the lock opens for the next pass.
+        stream = torch.cuda.current_stream(self.target[0].device)
+        if getattr(self.server, "stream", None) is not None:
+            stream.wait_stream(self.server.stream)
         with torch.no_grad():
             torch._foreach_copy_(self.target, self.staging)
-        # The server's next batch may run on another stream: the copy is complete before the lock opens.
-        torch.cuda.current_stream(self.target[0].device).synchronize()
+        stream.synchronize()
 
     def _apply_loop(self) -> None:
         while True:

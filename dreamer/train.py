@@ -137,7 +137,8 @@ def train(cfg: DictConfig) -> None:
             replay.end_stream(stream)
 
         pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, settings.size,
-                          inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted).start()
+                          inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
+                          stall_seconds=cfg.run.worker_stall_s).start()
         print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {inference.device}", flush=True)
     should_sync = Every(cfg.run.sync_every, learner.updates)
 

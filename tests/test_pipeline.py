@@ -194,3 +194,28 @@ def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
     finally:
         pool.close()
         inference.close()
+
+
+def test_a_hung_worker_is_killed_and_restarted():
+    """The emulated env's reset sleeps for an hour: the worker sends nothing and is killed after the stall
+    limit, then restarted; hanging every time, it stops collection after max_restarts deaths."""
+    from dreamer.collect import CollectionError
+
+    env = dict(OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "env" / "emulated.yaml")), reset_latency=3600.0)
+    probe = make_env(OmegaConf.create({**env, "reset_latency": 0.0}), 0)
+    layout = EnvLayout.from_specs(probe.observation_spec, probe.action_spec)
+    probe.close()
+    agent = build_agent(layout, SIZE, LossSettings())
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
+    restarts = []
+    pool = WorkerPool(env, 0, layout, SIZE, inference.clients, chunk=8, suite="emulated", max_restarts=2,
+                      on_restart=restarts.append, stall_seconds=3.0).start()
+    try:
+        deadline = time.monotonic() + 120
+        with pytest.raises(CollectionError, match="emulated env worker 0 died 2 times in a row"):
+            while time.monotonic() < deadline:
+                pool.receive(timeout=0.5)
+        assert pool.stalls == 2 and restarts == [0]
+    finally:
+        pool.close()
+        inference.close()
