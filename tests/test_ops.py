@@ -19,8 +19,10 @@ def _python(args, cwd):
 
 
 def test_evaluate_writes_returns_and_a_video_that_decodes(workdir):
+    # Collected in the training process: the run then ends exactly at run.steps (256; worker chunks
+    # would overshoot it), which names the checkpoint and the files below.
     args = ["+exp=emulated", "+debug=smoke", "run.name=ev", "run.eval_every=0", "env.step_latency=0",
-            "env.max_episode_steps=30"]
+            "env.max_episode_steps=30", "run.collect=inline"]
     assert run_train(args, workdir).returncode == 0
     result = _python(["-m", "dreamer.evaluate", "runs/ev", "--episodes", "2"], workdir)
     assert result.returncode == 0, result.stderr[-2000:]
