@@ -119,6 +119,8 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"run.train_ratio must be positive (replayed steps per env step), got {cfg.run.train_ratio}")
     if cfg.run.envs < 1:
         raise ConfigError(f"run.envs must be at least 1, got {cfg.run.envs}")
+    if cfg.run.inference not in ("auto", "thread", "process"):
+        raise ConfigError(f"run.inference must be auto, thread or process, got {cfg.run.inference!r}")
     if cfg.run.collect not in ("inline", "workers"):
         raise ConfigError(f"run.collect must be inline or workers, got {cfg.run.collect!r}")
     if cfg.run.chunk < 1 or cfg.run.sync_every < 1 or cfg.run.inference_wait_ms < 0 or cfg.run.worker_stall_s <= 0:

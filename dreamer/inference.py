@@ -2,9 +2,11 @@
 
 Workers send one record each (the carry the policy had before o[t], and o[t] under `next`, the layout of
 `dreamer.collect`) through torchrl's process-slot transport: every worker owns a fixed shared-memory
-slot, and only a wake-up signal crosses processes. torchrl's `InferenceServer` runs in a thread of the
-trainer process on the inference device and answers a whole sweep of ready slots with one batched pass;
-on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows, run on a stream of its own.
+slot, and only a wake-up signal crosses processes. torchrl's `InferenceServer` runs on the inference
+device, in a process of its own (`run.inference=process`, the default on CUDA: its Python never waits
+for the trainer's) or in a thread of the trainer, and answers a whole sweep of ready slots with one
+batched pass; on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows, on a high-priority
+stream of its own.
 
 The server acts with its own copy of the policy's weights: the learner updates its weights in place,
 inside a CUDA graph, while the server reads its copy. `WeightSync` refreshes the copy every
@@ -17,6 +19,7 @@ import copy
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 
@@ -110,8 +113,8 @@ class KillSafeSlotTransport(ProcessSlotTransport):
       slot's ready byte, then release the server's work semaphore. The semaphore release orders those
       writes, and x86 keeps stores in order for the server's timed sweeps, which only read. Only the
       server takes the lock. A worker killed inside the lock would otherwise stop every other worker.
-    - Workers get no server-liveness Event (reading one takes its lock too); the server is a thread of
-      the trainer, and a worker whose trainer is gone exits instead of waiting (`_Doorbell.wait`).
+    - Workers get no server-liveness Event (reading one takes its lock too); the trainer watches the
+      server, and a worker whose trainer is gone exits instead of waiting (`_Doorbell.wait`).
     """
 
     def __init__(self, request_spec, response_spec, *, num_slots: int):
@@ -145,7 +148,8 @@ class _StreamServer(InferenceServer):
         device = self.policy_device
         if device is None or torch.device(device).type != "cuda":
             return super()._run()
-        self.stream = torch.cuda.Stream(device)
+        # High priority: on a GPU shared with the learner, the scheduler starts the pass's blocks first.
+        self.stream = torch.cuda.Stream(device, priority=-1)
         with torch.cuda.stream(self.stream):
             return super()._run()
 
@@ -168,38 +172,31 @@ class _Acting(nn.Module):
 
 
 class WeightSync:
-    """Copies the learner's policy weights into the server's copy without the learner waiting.
+    """Copies the learner's policy weights into the served copy without the learner waiting.
 
-    On CUDA, `__call__` enqueues device-to-device copies into a staging buffer on the learner's current
-    stream, after the update that produced the weights, and records an event; a thread waits on that
-    event (never on later learner work) and copies staging into the served weights under the server's
-    model lock, between two batches. A sync requested while the previous one is still being applied
-    is skipped (counted in `skipped`): the staging buffer is never overwritten while it is read. On
-    CPU the copy is made at once under the lock.
+    `__call__` copies the weights into a staging buffer on the inference device: on CUDA it enqueues
+    the copies on the learner's current stream, after the update that produced the weights, and
+    records an event. A thread waits on that event (never on later learner work) and then runs
+    `apply`, which moves staging into the served weights between two inference passes (under the
+    server's model lock in this process, or in the server's process). A sync requested while the
+    previous one is still in flight is skipped (counted in `skipped`): staging is never overwritten
+    while it is read.
     """
 
-    def __init__(self, source: list[torch.Tensor], target: list[torch.Tensor], server: InferenceServer):
-        self.source, self.target, self.server = source, target, server
+    def __init__(self, source: list[torch.Tensor], staging: list[torch.Tensor], apply):
+        self.source, self.staging, self.apply = source, staging, apply
         self.applied = self.skipped = 0
         self.error: BaseException | None = None
-        self.cuda = any(t.is_cuda for t in source + target)
-        if self.cuda:
-            self.staging = [torch.empty_like(t) for t in target]
-            self.idle = threading.Event()
-            self.idle.set()
-            self.requests: queue.SimpleQueue = queue.SimpleQueue()
-            self.thread = threading.Thread(target=self._apply_loop, daemon=True, name="dreamer-weight-sync")
-            self.thread.start()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._apply_loop, daemon=True, name="dreamer-weight-sync")
+        self.thread.start()
 
     def __call__(self) -> bool:
         """Starts one sync; False when it was skipped because the previous one is still in flight."""
         if self.error is not None:
             raise RuntimeError(f"weight sync failed: {self.error}") from self.error
-        if not self.cuda:
-            with torch.no_grad():
-                self.server.update_model(lambda _: torch._foreach_copy_(self.target, self.source))
-            self.applied += 1
-            return True
         if not self.idle.is_set():
             self.skipped += 1
             return False
@@ -207,29 +204,26 @@ class WeightSync:
         with torch.no_grad():
             for staged, weight in zip(self.staging, self.source):
                 staged.copy_(weight, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.source[0].device))
+        event = None
+        if self.source[0].is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.source[0].device))
         self.requests.put(event)
         return True
 
-    def _apply(self, _model: nn.Module) -> None:
-        # Under the model lock no pass is enqueued, but the last one may still run on the GPU: the copy
-        # waits for the server's stream, and is complete before the lock opens for the next pass.
-        stream = torch.cuda.current_stream(self.target[0].device)
-        if getattr(self.server, "stream", None) is not None:
-            stream.wait_stream(self.server.stream)
-        with torch.no_grad():
-            torch._foreach_copy_(self.target, self.staging)
-        stream.synchronize()
+    def wait(self, timeout: float = 60.0) -> bool:
+        """Until the sync in flight (if any) has been applied; False on timeout."""
+        return self.idle.wait(timeout)
 
     def _apply_loop(self) -> None:
         while True:
             event = self.requests.get()
-            if event is None:
+            if event is False:
                 return
             try:
-                event.synchronize()
-                self.server.update_model(self._apply)
+                if event is not None:
+                    event.synchronize()
+                self.apply()
                 self.applied += 1
             except BaseException as error:  # reported to the trainer on its next sync
                 self.error = error
@@ -237,13 +231,84 @@ class WeightSync:
                 self.idle.set()
 
     def close(self) -> None:
-        if self.cuda:
-            self.requests.put(None)
-            self.thread.join(timeout=5)
+        self.requests.put(False)
+        self.thread.join(timeout=5)
+
+
+def _copy_into(server: InferenceServer, target: list[torch.Tensor], staging: list[torch.Tensor]) -> None:
+    """staging -> served weights under the server's model lock, complete before the lock opens."""
+
+    def copy(_model: nn.Module) -> None:
+        cuda = target[0].is_cuda
+        if cuda:  # the last pass may still run on the server's stream
+            stream = torch.cuda.current_stream(target[0].device)
+            if getattr(server, "stream", None) is not None:
+                stream.wait_stream(server.stream)
+        with torch.no_grad():
+            torch._foreach_copy_(target, staging)
+        if cuda:
+            stream.synchronize()
+
+    server.update_model(copy)
+
+
+def _make_server(policy: ActingPolicy, transport, clients: int, device: torch.device, cudagraph: bool,
+                 explore: bool, batch_wait: float, request: TensorDict) -> InferenceServer:
+    static = clients if (device.type == "cuda" and cudagraph) else None
+    # The server waits up to `batch_wait` s after the first request for the others, so one pass
+    # serves the envs that finished their steps at about the same time.
+    return _StreamServer(
+        _Acting(policy, explore),
+        transport,
+        max_batch_size=clients,
+        min_batch_size=clients,
+        static_batch_size=static,
+        request_spec=request if static else None,
+        timeout=batch_wait,
+        policy_device=device,
+        output_device="cpu",
+    )
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, cudagraph: bool, explore: bool,
+           batch_wait: float, request: TensorDict, staging: list[torch.Tensor], ready, done, conn, stop) -> None:
+    """The server's own process: torchrl's server on `device`, weight syncs from staging, stats on request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop (it saves first)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    policy = policy.to(device).eval().requires_grad_(False)
+    server = _make_server(policy, transport, clients, device, cudagraph, explore, batch_wait, request)
+    server.start()
+    target = _tensors(policy)
+
+    def apply_loop() -> None:
+        while not stop.is_set():
+            if ready.acquire(True, 0.5):
+                _copy_into(server, target, staging)
+                done.release()
+
+    threading.Thread(target=apply_loop, daemon=True, name="dreamer-weight-apply").start()
+    conn.send("ready")
+    parent = os.getppid()
+    while not stop.is_set() and server.is_alive and os.getppid() == parent:
+        if conn.poll(0.5):
+            conn.recv()
+            with server._stats_lock:
+                forward = list(server._forward_ms)
+            conn.send((server.stats(), forward))
+    server.shutdown()
 
 
 class Inference:
-    """The server, its transport's worker clients (one per env stream) and the weight sync."""
+    """The server, its transport's worker clients (one per env stream) and the weight sync.
+
+    `process=True` runs the server in a process of its own (spawned; the served copy of the weights
+    and the staging buffer are shared with it, through CUDA IPC on a GPU), so its Python work never
+    waits for the trainer's (the GIL); `False` runs it in a thread of this process.
+    """
 
     def __init__(
         self,
@@ -255,46 +320,70 @@ class Inference:
         cudagraph: bool = True,
         explore: bool = True,
         batch_wait: float = 0.002,
+        process: bool = False,
+        startup_timeout: float = 600.0,
     ):
         self.device = torch.device(device)
-        # The served copy: its own parameters on the inference device (module docstring).
-        served = copy.deepcopy(policy).to(self.device).eval().requires_grad_(False)
         request, response = request_spec(layout, size), response_spec(layout, size)
         self.transport = KillSafeSlotTransport(request, response, num_slots=clients)
         self.clients = [self.transport.client() for _ in range(clients)]
-        static = clients if (self.device.type == "cuda" and cudagraph) else None
-        # The server waits up to `batch_wait` s after the first request for the others, so one pass
-        # serves the envs that finished their steps at about the same time.
-        self.server = _StreamServer(
-            _Acting(served, explore),
-            self.transport,
-            max_batch_size=clients,
-            min_batch_size=clients,
-            static_batch_size=static,
-            request_spec=request if static else None,
-            timeout=batch_wait,
-            policy_device=self.device,
-            output_device="cpu",
-        )
-        source = [p for p in policy.parameters()] + [b for b in policy.buffers()]
-        target = [p for p in served.parameters()] + [b for b in served.buffers()]
-        self.sync = WeightSync(source, target, self.server)
+        self.process = None
+        source = _tensors(policy)
+        # The served copy: its own parameters (module docstring).
+        served = copy.deepcopy(policy).requires_grad_(False)
+        if not process:
+            served = served.to(self.device).eval()
+            self.server = _make_server(served, self.transport, clients, self.device, cudagraph, explore,
+                                       batch_wait, request)
+            target = _tensors(served)
+            self.sync = WeightSync(source, [torch.empty_like(t) for t in target],
+                                   lambda: _copy_into(self.server, target, self.sync.staging))
+            return
+        staging = [torch.empty_like(t, device=self.device) for t in _tensors(served)]
+        if self.device.type == "cpu":
+            staging = [t.share_memory_() for t in staging]
+        context = multiprocessing.get_context("spawn")
+        ready, done, self._stop = context.Semaphore(0), context.Semaphore(0), context.Event()
+        self._conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, name="dreamer-inference", daemon=True,
+            args=(served.cpu(), self.transport, clients, self.device, cudagraph, explore, batch_wait, request,
+                  staging, ready, done, child, self._stop))
+        self.startup_timeout = startup_timeout
+
+        def apply() -> None:  # the server's process copies staging in between two passes
+            ready.release()
+            while not done.acquire(True, 1.0):
+                if not self.process.is_alive():
+                    raise RuntimeError("the inference server process is gone")
+
+        self.sync = WeightSync(source, staging, apply)
 
     def start(self) -> Inference:
-        self.server.start()
+        if self.process is None:
+            self.server.start()
+            return self
+        self.process.start()
+        if not self._conn.poll(self.startup_timeout) or self._conn.recv() != "ready":
+            raise RuntimeError(f"the inference server process did not start within {self.startup_timeout:.0f} s "
+                               f"(exit code {self.process.exitcode})")
         return self
 
     @property
     def alive(self) -> bool:
-        return self.server.is_alive
+        return self.server.is_alive if self.process is None else self.process.is_alive()
 
-    def forward_ms(self) -> list[float]:
-        """The durations of the recent batched passes (ms), for percentiles."""
-        with self.server._stats_lock:
-            return list(self.server._forward_ms)
+    def snapshot(self) -> tuple[dict, list[float]]:
+        """torchrl's server statistics and the durations of the recent passes (ms, host to device and back)."""
+        if self.process is None:
+            with self.server._stats_lock:
+                forward = list(self.server._forward_ms)
+            return self.server.stats(), forward
+        self._conn.send("stats")
+        return self._conn.recv()
 
     def stats(self) -> dict[str, float]:
-        stats = self.server.stats()
+        stats = self.snapshot()[0]
         return {
             "inference/batch": stats["avg_batch_size"],
             "inference/batches_per_s": stats["batches_per_s"],
@@ -319,4 +408,12 @@ class Inference:
 
     def close(self) -> None:
         self.sync.close()
-        self.server.shutdown()
+        if self.process is None:
+            self.server.shutdown()
+            return
+        self._stop.set()
+        if self.process.pid is not None:
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join()

@@ -129,8 +129,11 @@ def train(cfg: DictConfig) -> None:
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
     if workers:
+        own_process = cfg.run.inference == "process" or (
+            cfg.run.inference == "auto" and settings.topology.inference.type == "cuda")
         inference = Inference(agent.policy, layout, settings.size, cfg.run.envs, settings.topology.inference,
-                              settings.cudagraph, batch_wait=cfg.run.inference_wait_ms / 1000).start()
+                              settings.cudagraph, batch_wait=cfg.run.inference_wait_ms / 1000,
+                              process=own_process).start()
 
         def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
             inference.forget_slot(stream)
@@ -139,7 +142,8 @@ def train(cfg: DictConfig) -> None:
         pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, settings.size,
                           inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
                           stall_seconds=cfg.run.worker_stall_s).start()
-        print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {inference.device}", flush=True)
+        print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {inference.device} "
+              f"({'its own process' if own_process else 'a thread'})", flush=True)
     should_sync = Every(cfg.run.sync_every, learner.updates)
 
     def gather() -> tuple[int, list]:

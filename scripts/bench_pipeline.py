@@ -89,7 +89,8 @@ class Pipeline:
         args = self.args
         self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs,
                                    torch.device(args.inference_device or args.device), cudagraph=self.cuda,
-                                   batch_wait=args.inference_wait_ms / 1000).start()
+                                   batch_wait=args.inference_wait_ms / 1000,
+                                   process=args.inference == "process").start()
 
         def restarted(stream: int) -> None:
             self.inference.forget_slot(stream)
@@ -193,8 +194,7 @@ def phase_overhead(p: Pipeline, updates: int) -> dict:
 
 
 def phase_inference(p: Pipeline) -> dict:
-    forward = p.inference.forward_ms()
-    stats = p.inference.server.stats()
+    stats, forward = p.inference.snapshot()
     return {"phase": "inference", "p50_ms": round(_percentile(forward, 0.5), 3),
             "p99_ms": round(_percentile(forward, 0.99), 3), "batches": len(forward),
             "mean_batch": round(stats["avg_batch_size"], 1), "device": str(p.inference.device)}
@@ -213,6 +213,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--inference-wait-ms", type=float, default=2.0)
+    parser.add_argument("--inference", choices=["thread", "process"], default="process",
+                        help="the server in its own process or a thread of this one")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
     parser.add_argument("--overhead-updates", type=int, default=30)
@@ -231,6 +233,7 @@ def main() -> None:
     p = Pipeline(args)
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
+              "inference": args.inference,
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}
     emit({"phase": "warmup", **config, "warmup_seconds": round(p.warmup(), 1)})
