@@ -1,7 +1,7 @@
-"""CUDA paths: the learner step on the GPU (eager and CUDA graph) and the write-back from device tensors."""
+"""CUDA paths: the learner step on the GPU (eager and CUDA graph), the write-back from device tensors, and the
+CUDA-graph inference server with its weight sync."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
