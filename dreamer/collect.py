@@ -407,3 +407,32 @@ class WorkerPool:
                 process.kill()
                 process.join()
             pipe.close()
+
+
+def start_workers(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
+                  cudagraph: bool, replay) -> tuple:
+    """`run.collect=workers`: the inference server on `device` (started), then `run.envs` workers feeding
+    `replay`; returns (inference, pool). Raises CollectionError, one line, when the server cannot start."""
+    from omegaconf import OmegaConf
+
+    from dreamer.inference import Inference
+
+    own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and device.type == "cuda")
+    inference = Inference(policy, layout, size, cfg.run.envs, device, cudagraph,
+                          batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
+    try:
+        inference.start()
+    except RuntimeError as error:
+        inference.close()
+        raise CollectionError(f"the inference server did not start: {str(error).splitlines()[0]}") from None
+
+    def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
+        inference.forget_slot(stream)
+        replay.end_stream(stream)
+
+    pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, size, inference.clients,
+                      cfg.run.chunk, cfg.env.suite, on_restart=restarted, stall_seconds=cfg.run.worker_stall_s)
+    pool.start()
+    print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {device} "
+          f"({'its own process' if own_process else 'a thread'})", flush=True)
+    return inference, pool

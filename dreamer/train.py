@@ -15,11 +15,10 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import CollectionError, Collector, WorkerPool
+from dreamer.collect import CollectionError, Collector, start_workers
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
-from dreamer.inference import Inference
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, summarize_episodes
 from dreamer.replay import Replay
@@ -129,21 +128,11 @@ def train(cfg: DictConfig) -> None:
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
     if workers:
-        own_process = cfg.run.inference == "process" or (
-            cfg.run.inference == "auto" and settings.topology.inference.type == "cuda")
-        inference = Inference(agent.policy, layout, settings.size, cfg.run.envs, settings.topology.inference,
-                              settings.cudagraph, batch_wait=cfg.run.inference_wait_ms / 1000,
-                              process=own_process).start()
-
-        def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
-            inference.forget_slot(stream)
-            replay.end_stream(stream)
-
-        pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, settings.size,
-                          inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
-                          stall_seconds=cfg.run.worker_stall_s).start()
-        print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {inference.device} "
-              f"({'its own process' if own_process else 'a thread'})", flush=True)
+        try:
+            inference, pool = start_workers(cfg, agent.policy, layout, settings.size, settings.topology.inference,
+                                            settings.cudagraph, replay)
+        except CollectionError as error:
+            raise RunError(str(error)) from None
     should_sync = Every(cfg.run.sync_every, learner.updates)
 
     def gather() -> tuple[int, list]:

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchrl.envs import ExplorationType, set_exploration_type
 
+import dreamer.inference as inference_module
 import dreamer.train as train_module
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
 from dreamer.collect import WorkerPool
@@ -178,7 +179,7 @@ def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoi
             threading.Thread(target=stop_later, daemon=True).start()
             return self
 
-    monkeypatch.setattr(train_module, "Inference", Dying)
+    monkeypatch.setattr(inference_module, "Inference", Dying)
     with pytest.raises(train_module.RunError, match="the inference server stopped .*checkpoint saved at"):
         train_module.train(smoke_cfg)
     assert list((Path(smoke_cfg.run.dir) / "checkpoints").glob("ckpt-*.pt"))
@@ -239,7 +240,7 @@ def test_a_killed_inference_server_process_stops_training_with_a_message_and_a_c
             threading.Thread(target=kill_later, daemon=True).start()
             return self
 
-    monkeypatch.setattr(train_module, "Inference", Killed)
+    monkeypatch.setattr(inference_module, "Inference", Killed)
     smoke_cfg.run.inference = "process"
     with pytest.raises(train_module.RunError, match="the inference server stopped .*checkpoint saved at"):
         train_module.train(smoke_cfg)
