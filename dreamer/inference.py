@@ -3,8 +3,8 @@
 Workers send one record each (the carry the policy had before o[t], and o[t] under `next`, the layout of
 `dreamer.collect`) through torchrl's process-slot transport: every worker owns a fixed shared-memory
 slot, and only a wake-up signal crosses processes. torchrl's `InferenceServer` runs on the inference
-device, in a process of its own (`run.inference=process`, the default on CUDA: its Python never waits
-for the trainer's) or in a thread of the trainer, and answers a whole sweep of ready slots with one
+device, in a process of its own (its Python never waits for the trainer's) or in a thread of the
+trainer (its kernels run beside the learner's on a shared GPU), and answers a whole sweep of ready slots with one
 batched pass; on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows, on a high-priority
 stream of its own.
 

@@ -130,7 +130,7 @@ def train(cfg: DictConfig) -> None:
     if workers:
         try:
             inference, pool = start_workers(cfg, agent.policy, layout, settings.size, settings.topology.inference,
-                                            settings.cudagraph, replay)
+                                            device, settings.cudagraph, replay)
         except CollectionError as error:
             raise RunError(str(error)) from None
     should_sync = Every(cfg.run.sync_every, learner.updates)

@@ -87,10 +87,12 @@ class Pipeline:
 
     def start_collection(self) -> None:
         args = self.args
-        self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs,
-                                   torch.device(args.inference_device or args.device), cudagraph=self.cuda,
-                                   batch_wait=args.inference_wait_ms / 1000,
-                                   process=args.inference == "process").start()
+        device = torch.device(args.inference_device or args.device)
+        self.own_process = args.inference == "process" or (
+            args.inference == "auto" and device.type == "cuda" and device != self.device)
+        self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs, device,
+                                   cudagraph=self.cuda, batch_wait=args.inference_wait_ms / 1000,
+                                   process=self.own_process).start()
 
         def restarted(stream: int) -> None:
             self.inference.forget_slot(stream)
@@ -213,8 +215,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--inference-wait-ms", type=float, default=2.0)
-    parser.add_argument("--inference", choices=["thread", "process"], default="process",
-                        help="the server in its own process or a thread of this one")
+    parser.add_argument("--inference", choices=["auto", "thread", "process"], default="auto",
+                        help="the server in its own process or a thread of this one (auto: as run.inference)")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
     parser.add_argument("--overhead-updates", type=int, default=30)
@@ -245,7 +247,7 @@ def main() -> None:
         emit(b)
         d = phase_overhead(p, args.overhead_updates)
         emit(d)
-        emit(phase_inference(p))
+        emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
         emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / a["env_steps_per_s"], 4),
               "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
     finally:

@@ -7,6 +7,7 @@
 #   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: the same
 #   bash scripts/reproduce.sh learner-cl      # ours with channels-last CNNs at both 32 x 256 sizes
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers at 50 ms and at 0 ms, size50m, one GPU
+#   bash scripts/reproduce.sh pipeline-process # the same at 50 ms with the server in its own process
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
@@ -39,12 +40,16 @@ case "${1:-}" in
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
       --latency 0 --seconds 30 --out "$OUT/pipeline-0ms.jsonl"
     ;;
+  pipeline-process)
+    $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
+      --latency 0.05 --seconds 40 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
+    ;;
   envs)
     $PY scripts/bench_envs.py --suite emulated --workers 1,16,64 --seconds 6 | tee "$OUT/envs-emulated.txt"
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,11p' "$0"
+    sed -n '2,12p' "$0"
     exit 2
     ;;
 esac
