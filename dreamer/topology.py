@@ -3,7 +3,7 @@
 | GPUs      | learner | inference server            | env rendering  | replay             |
 |-----------|---------|-----------------------------|----------------|--------------------|
 | 0         | cpu     | cpu                         | cpu            | host memory        |
-| 1         | cuda:0  | cuda:0 (own process/stream) | cpu            | pinned host memory |
+| 1         | cuda:0  | cuda:0 (own thread/stream)  | cpu            | pinned host memory |
 | 2         | cuda:0  | cuda:1                      | cpu            | pinned host memory |
 | n >= 3    | cuda:0  | cuda:1                      | cuda:2..n-1    | pinned host memory |
 
@@ -12,7 +12,8 @@ the parallel jobs of a joblib sweep on one node never share a GPU. The learner u
 data-parallel learner over several is not built.
 
 The learner's device trains, and acts too with `run.collect=inline`; with `run.collect=workers` the
-inference server runs on the inference device. Rendering devices are decided and printed, not used yet.
+inference server runs on the inference device (in its own process when that is a GPU of its own, see
+`dreamer.collect.start_workers`). Rendering devices are decided and printed, not used yet.
 """
 
 from __future__ import annotations
