@@ -127,6 +127,7 @@ def _flops(learner: Learner, batch) -> float:
 def run_single(args) -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.manual_seed(0)
     layout = _layout(args.obs, args.obs_dim, args.actions)
     size = _size(args.model)
@@ -134,7 +135,7 @@ def run_single(args) -> dict:
         agent = build_agent(layout, size, LossSettings())
     batch = _batch(layout, size, args.batch, args.length, device)
     result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
-              "length": args.length, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "length": args.length, "cudnn_benchmark": args.cudnn_benchmark, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
     if args.single.startswith("ours"):
         compile = cuda and args.single in ("ours", "ours_cl")
@@ -226,6 +227,8 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=540, help="seconds per variant, warm-up included")
     parser.add_argument("--train-ratio", type=float, default=16, help="for the implied env steps/s")
     parser.add_argument("--no-flops", dest="flops", action="store_false")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its convolution algorithms during warm-up (every variant)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     parser.add_argument("--single", help=argparse.SUPPRESS)
     args = parser.parse_args()
