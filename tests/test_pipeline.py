@@ -172,7 +172,8 @@ def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoi
             super().start()
 
             def stop_later():
-                while self.server.stats()["batches"] < 20:
+                deadline = time.monotonic() + 120  # never let a slow machine turn this into a hang
+                while self.server.stats()["batches"] < 20 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 self.server.shutdown()
 
@@ -233,7 +234,8 @@ def test_a_killed_inference_server_process_stops_training_with_a_message_and_a_c
             super().start()
 
             def kill_later():
-                while self.sync.applied < 1:
+                deadline = time.monotonic() + 180  # never let a slow machine turn this into a hang
+                while self.sync.applied < 1 and time.monotonic() < deadline:
                     time.sleep(0.05)
                 os.kill(self.process.pid, signal.SIGKILL)
 
