@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -287,7 +288,11 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
     def apply_loop() -> None:
         while not stop.is_set():
             if ready.acquire(True, 0.5):
-                _copy_into(server, target, staging)
+                try:
+                    _copy_into(server, target, staging)
+                except BaseException as error:  # the trainer sees the process end and stops with a message
+                    print(f"dreamer inference server: weight sync failed: {error!r}", file=sys.stderr, flush=True)
+                    os._exit(1)
                 done.release()
 
     threading.Thread(target=apply_loop, daemon=True, name="dreamer-weight-apply").start()
@@ -364,10 +369,19 @@ class Inference:
             self.server.start()
             return self
         self.process.start()
-        if not self._conn.poll(self.startup_timeout) or self._conn.recv() != "ready":
-            raise RuntimeError(f"the inference server process did not start within {self.startup_timeout:.0f} s "
-                               f"(exit code {self.process.exitcode})")
-        return self
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._conn.poll(1.0):
+            if not self.process.is_alive() or time.monotonic() > deadline:
+                break
+        try:
+            if self._conn.poll(0) and self._conn.recv() == "ready":
+                return self
+        except EOFError:  # it died before saying ready
+            pass
+        self.process.join(timeout=1)
+        raise RuntimeError(f"the inference server process did not start (exit code {self.process.exitcode}; "
+                           f"its error is printed above)" if not self.process.is_alive() else
+                           f"the inference server process did not start within {self.startup_timeout:.0f} s")
 
     @property
     def alive(self) -> bool:

@@ -247,3 +247,29 @@ def test_a_killed_inference_server_process_stops_training_with_a_message_and_a_c
     with pytest.raises(train_module.RunError, match="the inference server stopped .*checkpoint saved at"):
         train_module.train(smoke_cfg)
     assert list((Path(smoke_cfg.run.dir) / "checkpoints").glob("ckpt-*.pt"))
+
+
+class _BreaksInAnotherProcess(torch.nn.Module):
+    """A submodule that cannot be rebuilt in a spawned process: stands in for a server that fails to start."""
+
+    def __init__(self):
+        super().__init__()
+        self.creator = os.getpid()
+
+    def __setstate__(self, state):
+        if state["creator"] != os.getpid():
+            raise RuntimeError("cannot be rebuilt in this process")
+        super().__setstate__(state)
+
+
+def test_a_server_process_that_dies_while_starting_is_reported_at_once():
+    layout, agent = _agent()
+    agent.policy.add_module("broken", _BreaksInAnotherProcess())
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu"), process=True)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"the inference server process did not start \(exit code 1"):
+            inference.start()
+        assert time.monotonic() - start < 60  # not the 600 s start-up limit
+    finally:
+        inference.close()
