@@ -9,8 +9,8 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
 
   collect   (a) collection alone: env steps/s with the learner idle (replay filling).
   train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
-            training); (c) learner updates/s and its GPU busy fraction (summed CUDA-event time of the
-            updates over the phase's wall time); weight syncs every --sync-every updates.
+            training); (c) learner updates/s and its GPU busy fraction (CUDA-event time around each
+            learner step, summed, over the phase's wall time); weight syncs every --sync-every updates.
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
             same update on a batch resident on the device; collection keeps running in both.
   inference (e) the server's batched pass: p50 / p99 ms over the recent batches, mean batch size.
@@ -109,25 +109,31 @@ class Pipeline:
         self.steps += steps
         return steps
 
-    def update(self, resident=None) -> None:
-        if resident is not None:
-            self.learner.update(resident)
-            return
-        batch, handles = self.replay.sample()
-        batch = self.learner.update(batch[:, :-1])
-        context = batch.get("replay_context")
-        self.replay.write_back(handles, context.get("state"), context.get("belief"), wait=False)
+    def update(self, resident=None, timed: bool = False):
+        """One update, on a resident batch or on a replay sample with the write-back submitted.
 
-    def timed_update(self, resident=None) -> tuple:
-        if not self.cuda:
-            start = time.perf_counter()
-            self.update(resident)
-            return (time.perf_counter() - start,)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        self.update(resident)
-        end.record()
-        return begin, end
+        timed: also returns the update's own duration, as CUDA events recorded around the learner's
+        step alone (sampling and the write-back's host work stay outside), or host seconds on CPU.
+        """
+        if resident is None:
+            batch, handles = self.replay.sample()
+            batch = batch[:, :-1]
+        else:
+            batch = resident
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        start = time.perf_counter()
+        out = self.learner.update(batch)
+        if self.cuda:
+            end.record()
+            timing = (begin, end)
+        else:
+            timing = (time.perf_counter() - start,)
+        if resident is None:
+            context = out.get("replay_context")
+            self.replay.write_back(handles, context.get("state"), context.get("belief"), wait=False)
+        return timing if timed else None
 
     @staticmethod
     def seconds(timing: tuple) -> float:
@@ -163,7 +169,7 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
         owed += arrived * per_step
         while owed >= 1 and time.perf_counter() - start < seconds:
             owed -= 1
-            timings.append(p.timed_update())
+            timings.append(p.update(timed=True))
             if p.learner.updates % args.sync_every == 0:
                 syncs += bool(p.inference.sync())
     if p.cuda:
