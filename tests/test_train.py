@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,7 @@ def test_ten_failures_in_a_row_stop_the_run_with_a_checkpoint(workdir):
     result = run_train(args, workdir)
     assert result.returncode == 3
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "emulated env 0 failed 10 times in a row" in lines[0]
+    # The emulated preset collects in worker processes: whichever of the two envs gives up first is named.
+    assert len(lines) == 1 and re.search(r"emulated env [01] failed 10 times in a row", lines[0])
     assert "injected fault" in lines[0] and "checkpoint saved at" in lines[0]
     assert _checkpoints(workdir / "runs" / "broken")
