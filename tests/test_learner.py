@@ -145,21 +145,26 @@ def test_an_older_checkpoint_is_refused_in_one_line():
     assert float(learner.optimizer.step_count) == 0
 
 
+def _same_two_updates(ours: Learner, reference: Learner, batch, seed: int) -> None:
+    """Two updates of each learner from the same random draws: equal metrics, then equal weights."""
+    for step in range(2):
+        for learner in (reference, ours):
+            torch.manual_seed(seed + step)
+            learner.update(batch.clone())
+        got, expected = ours.drain(), reference.drain()
+        for key, value in expected.items():
+            assert abs(got[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, got[key], value)
+    for a, b in zip(ours.params, reference.params):
+        assert _close(a.detach(), b.detach(), 1e-4)
+
+
 def test_compiled_step_follows_the_eager_updates_on_cpu():
     """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result."""
     (eager_agent, batch), (compiled_agent, _) = _setup(VECTOR), _setup(VECTOR)
     eager = Learner(eager_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
     compiled = Learner(compiled_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", compile=True)
     assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._cell, compiled._tail))
-    for step in range(2):
-        for learner in (eager, compiled):
-            torch.manual_seed(20 + step)
-            learner.update(batch.clone())
-        ours, theirs = compiled.drain(), eager.drain()
-        for key, value in theirs.items():
-            assert abs(ours[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, ours[key], value)
-    for a, b in zip(compiled.params, eager.params):
-        assert _close(a.detach(), b.detach(), 1e-4)
+    _same_two_updates(compiled, eager, batch, seed=20)
 
 
 @pytest.mark.parametrize("length", [1, 7, 64])
@@ -185,12 +190,4 @@ def test_channels_last_cnns_change_no_result():
     convs = [m.weight for m in nhwc_agent.networks.encoder.cnn.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                          for w in convs)
-    for step in range(2):
-        for learner in (plain, nhwc):
-            torch.manual_seed(30 + step)
-            learner.update(batch.clone())
-        ours, theirs = nhwc.drain(), plain.drain()
-        for key, value in theirs.items():
-            assert abs(ours[key] - value) <= 1e-4 * max(1.0, abs(value)), (step, key, ours[key], value)
-    for a, b in zip(nhwc.params, plain.params):
-        assert _close(a.detach(), b.detach(), 1e-4)
+    _same_two_updates(nhwc, plain, batch, seed=30)
