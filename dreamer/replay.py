@@ -5,6 +5,11 @@ slice of `batch_length + 1` records is always consecutive in time for one env; s
 episode end, where `is_init` resets the RSSM. After an update, the learner's refreshed posterior of
 record t becomes the stored context (state, belief) of record t+1 — but only if that slot still
 holds the record it held at sampling time (its generation is unchanged).
+
+A sample carries the stored context of each sequence's first record only (the learner starts its
+recurrence there and reads no other): each record's context is 5,120 floats at size50m, nearly two thirds
+of a Minecraft record's bytes. In the batch, `state` and `belief` are that first context seen along the
+whole sequence (an expanded view, no copies).
 """
 
 from __future__ import annotations
@@ -24,6 +29,44 @@ from torchrl.data import (
 
 STREAM_KEY = "stream"
 HANDLE_KEYS = ("index", "index_generation")
+CONTEXT_KEYS = ("state", "belief")
+
+
+class _StreamWindows(SliceSampler):
+    """Windows of `slice_len` consecutive records of one env stream, uniformly, never across the write
+    cursor, with the stored flags untouched.
+
+    torchrl's SliceSampler finds windows by scanning the stream's trajectory column at every sample (and
+    at every `sampleable` count the ensemble asks for), gathers each window's whole records once more to
+    read its flags, and by default marks every window start `is_init`, which would make the learner drop
+    the stored context it starts from. A member holds one stream, so the window starts are simply the
+    offsets 0 .. len - slice_len from the oldest record.
+    """
+
+    def _sampleable_count(self, storage, batch_size: int) -> int:
+        return max(0, len(storage) - self.slice_len + 1)
+
+    def sample(self, storage, batch_size: int):
+        windows, count = self._sampleable_count(storage, batch_size), batch_size // self.slice_len
+        if not windows or not count:
+            raise RuntimeError(f"a replay stream with {len(storage)} records has no window of {self.slice_len}")
+        newest = storage._last_cursor_index
+        oldest = (newest + 1) % storage.max_size if len(storage) == storage.max_size else 0
+        starts = torch.randint(windows, (count, 1), generator=self._rng)
+        index = (oldest + starts + torch.arange(self.slice_len)) % storage.max_size
+        return (index.reshape(-1),), {}
+
+
+class _StreamStorage(LazyTensorStorage):
+    """One env stream's records; reads for sampling leave out the latent context (see the module doc)."""
+
+    def get(self, index):
+        if not self.initialized:
+            return super().get(index)
+        stored = self._storage.exclude(*CONTEXT_KEYS)
+        if not self._is_full:
+            stored = stored[: self._len_along_dim0]
+        return stored[index]
 
 
 def last_write_wins(coordinates: torch.Tensor) -> torch.Tensor:
@@ -80,7 +123,10 @@ class Replay:
         device: torch.device,
         seed: int = 0,
         prefetch: int = 1,
+        stock: bool = False,
     ):
+        """stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
+        context included: the reference that scripts/bench_replay.py measures ours against."""
         self.streams = streams
         self.sequence = batch_length + 1
         self.batch_size = batch_size
@@ -93,10 +139,11 @@ class Replay:
             )
         members = [
             TensorDictReplayBuffer(
-                storage=LazyTensorStorage(self.capacity),
+                storage=(LazyTensorStorage if stock else _StreamStorage)(self.capacity),
                 # One trajectory per stream: slices run through episode ends but never across the
-                # write cursor of the circular storage.
-                sampler=SliceSampler(slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True),
+                # write cursor of the circular storage. No window start is marked as an episode start.
+                sampler=(SliceSampler if stock else _StreamWindows)(
+                    slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True, init_key=None),
                 writer=TensorDictRoundRobinWriter(track_generations=True),
             )
             for _ in range(streams)
@@ -113,7 +160,9 @@ class Replay:
             prefetch=prefetch if self.device.type == "cuda" else None,
         )
         self._stream_ids = torch.arange(streams)
+        self.stock = stock
         self.added = 0
+        self.lost_contexts = 0  # sampled sequences whose first record was overwritten before its context was read
 
     def add(self, records: TensorDictBase) -> None:
         """Appends one record per stream (records has batch size [streams])."""
@@ -147,6 +196,12 @@ class Replay:
         member.update_if_present(index=slot, generation=generation, patch={("next", "done"): done})
         return True
 
+    def stored(self, stream: int) -> TensorDictBase:
+        """Every record of `stream` as stored, context included, in slot order (a copy)."""
+        member = self.buffer._rbs[stream]
+        with member._replay_lock:
+            return member.storage._storage[: len(member)].clone()
+
     def ready(self) -> bool:
         """True once every stream holds at least one full sequence."""
         return all(len(member) >= self.sequence for member in self.buffer._rbs)
@@ -156,7 +211,49 @@ class Replay:
         data = self.buffer.sample().reshape(self.batch_size, self.sequence)
         handles = data.select(*HANDLE_KEYS)
         batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
-        return batch.to(self.device, non_blocking=True), handles
+        if self.stock:
+            return batch.to(self.device, non_blocking=True), handles
+        state, belief, lost = self._first_contexts(handles)
+        if lost.any():  # start those sequences afresh, as at an episode start
+            is_init = batch.get("is_init").clone()
+            is_init[:, 0] |= lost.reshape(-1, *[1] * (is_init.ndim - 2))
+            batch.set("is_init", is_init)
+        batch = batch.to(self.device, non_blocking=True)
+        shape = (self.batch_size, self.sequence)
+        for key, first in (("state", state), ("belief", belief)):
+            first = first.to(self.device, non_blocking=True)
+            batch.set(key, first.unsqueeze(1).expand(*shape, first.shape[-1]))
+        return batch, handles
+
+    def _first_contexts(self, handles: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored (state, belief) of each sampled sequence's first record, read now, and a mask of
+        the sequences whose first slot was rewritten since sampling (their context is zero).
+
+        Each read holds its stream's lock, which that stream's inserts and write-backs take too, and
+        checks the slot's generation against the sampled one: a context is never torn, nor another
+        record's.
+        """
+        members = handles.get(("index", "buffer_ids"))[:, 0].tolist()
+        slots = handles.get(("index", "index"))[:, 0]
+        generations = handles.get("index_generation")[:, 0]
+        states, beliefs, lost = [], [], torch.zeros(len(members), dtype=torch.bool)
+        for row, member_id in enumerate(members):
+            member = self.buffer._rbs[member_id]
+            slot = slots[row : row + 1]
+            stored = member.storage._storage
+            with member._replay_lock:
+                if bool(member.writer.generations_of(slot)[0] == generations[row]):
+                    states.append(stored.get("state")[slot[0]].clone())
+                    beliefs.append(stored.get("belief")[slot[0]].clone())
+                    continue
+            lost[row] = True
+            states.append(torch.zeros_like(stored.get("state")[0]))
+            beliefs.append(torch.zeros_like(stored.get("belief")[0]))
+        self.lost_contexts += int(lost.sum())
+        state, belief = torch.stack(states), torch.stack(beliefs)
+        if self.device.type == "cuda":
+            state, belief = state.pin_memory(), belief.pin_memory()
+        return state, belief, lost
 
     def write_back(self, handles: TensorDictBase, state: torch.Tensor, belief: torch.Tensor,
                    wait: bool | None = None) -> Future:

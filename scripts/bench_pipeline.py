@@ -10,7 +10,9 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
   collect   (a) collection alone: env steps/s with the learner idle (replay filling).
   train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
             training); (c) learner updates/s and its GPU busy fraction (CUDA-event time around each
-            learner step, summed, over the phase's wall time); weight syncs every --sync-every updates.
+            learner step, summed, over the phase's wall time); weight syncs every --sync-every updates;
+            host_fraction: the trainer thread's wall time by part (receive = waiting for and unpickling
+            worker chunks, add_chunks, sample, update = the learner's host call, write_back = submission).
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
             same update on a batch resident on the device; collection keeps running in both.
   inference (e) the server's batched pass: p50 / p99 ms over the recent batches, mean batch size.
@@ -78,6 +80,7 @@ class Pipeline:
                                cudagraph=self.cuda, bf16=self.cuda)
         self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device)
         self.steps = 0
+        self.host = dict.fromkeys(HOST_PARTS, 0.0)  # the trainer thread's host seconds, by part
 
     def warmup(self) -> float:
         start = time.perf_counter()
@@ -102,10 +105,14 @@ class Pipeline:
                                "emulated", on_restart=restarted).start()
 
     def gather(self, timeout: float) -> int:
-        steps = 0
-        for chunk in self.pool.receive(timeout):
+        steps, clock = 0, time.perf_counter()
+        chunks = self.pool.receive(timeout)
+        received = time.perf_counter()
+        for chunk in chunks:
             self.replay.add_chunk(chunk.stream, chunk.records)
             steps += chunk.records.shape[0]
+        self.host["add_chunks"] += time.perf_counter() - received
+        self.host["receive"] += received - clock
         self.steps += steps
         return steps
 
@@ -114,12 +121,17 @@ class Pipeline:
 
         timed: also returns the update's own duration, as CUDA events recorded around the learner's
         step alone (sampling and the write-back's host work stay outside), or host seconds on CPU.
+        The trainer thread's host seconds in sampling, the update call and the write-back submission
+        are added to `self.host`.
         """
+        clock = time.perf_counter()
         if resident is None:
             batch, handles = self.replay.sample()
             batch = batch[:, :-1]
         else:
             batch = resident
+        now = time.perf_counter()
+        self.host["sample"] += now - clock
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -130,9 +142,12 @@ class Pipeline:
             timing = (begin, end)
         else:
             timing = (time.perf_counter() - start,)
+        clock = time.perf_counter()
+        self.host["update"] += clock - start
         if resident is None:
             context = out.get("replay_context")
             self.replay.write_back(handles, context.get("state"), context.get("belief"), wait=False)
+        self.host["write_back"] += time.perf_counter() - clock
         return timing if timed else None
 
     @staticmethod
@@ -143,6 +158,9 @@ class Pipeline:
         self.pool.close()
         self.inference.close()
         self.replay.close()
+
+
+HOST_PARTS = ("receive", "add_chunks", "sample", "update", "write_back")
 
 
 def phase_collect(p: Pipeline, seconds: float) -> dict:
@@ -162,6 +180,7 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
     args = p.args
     per_step = args.train_ratio / (args.batch * args.length)
     owed, steps, timings, syncs = 0.0, 0, [], 0
+    p.host = dict.fromkeys(HOST_PARTS, 0.0)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         arrived = p.gather(0.0 if owed >= 1 else 0.5)
@@ -178,7 +197,10 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
     busy = sum(p.seconds(t) for t in timings)
     return {"phase": "train", "env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
             "updates_per_s": round(len(timings) / wall, 2), "learner_busy": round(busy / wall, 3),
-            "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1)}
+            "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1),
+            # where the trainer thread's wall time went (the rest: waiting for chunks, syncs, the loop)
+            "host_fraction": {part: round(value / wall, 3) for part, value in p.host.items()},
+            "lost_contexts": p.replay.lost_contexts}
 
 
 def phase_overhead(p: Pipeline, updates: int) -> dict:

@@ -6,8 +6,10 @@
 #   bash scripts/reproduce.sh learner-50m     # size50m image, 32 x 256: the same
 #   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: the same
 #   bash scripts/reproduce.sh learner-cl      # ours with channels-last CNNs at both 32 x 256 sizes
-#   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers at 50 ms and at 0 ms, size50m, one GPU
-#   bash scripts/reproduce.sh pipeline-process # the same at 50 ms with the server in its own process
+#   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU: 50 ms with the
+#                                             # server as a thread, then as a process; 0 ms (thread); replay cost
+#   bash scripts/reproduce.sh pipeline-16     # 16 workers at 50 ms (one per core), server as a thread
+#   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=emulated, 64 workers, a few minutes
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
@@ -36,20 +38,29 @@ case "${1:-}" in
     ;;
   pipeline)
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0.05 --seconds 40 --out "$OUT/pipeline-50ms.jsonl"
+      --latency 0.05 --seconds 25 --inference thread --out "$OUT/pipeline-50ms.jsonl"
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0 --seconds 30 --out "$OUT/pipeline-0ms.jsonl"
+      --latency 0.05 --seconds 25 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
+    $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
+      --latency 0 --seconds 15 --inference thread --out "$OUT/pipeline-0ms.jsonl"
+    $PY scripts/bench_replay.py --device cuda --out "$OUT/replay.jsonl"
     ;;
-  pipeline-process)
-    $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0.05 --seconds 40 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
+  pipeline-16)
+    $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 16 \
+      --latency 0.05 --seconds 25 --out "$OUT/pipeline-50ms-16.jsonl"
+    ;;
+  minecraft)
+    # Collection fills 65,536 steps first (run.train_start), then trains; Ctrl-C (SIGINT) after 400 s saves and stops.
+    timeout --signal=INT 400 $PY -m dreamer.train +exp=emulated run.steps=200000 replay.size=300000 \
+      hydra.run.dir="$OUT/minecraft-run" > "$OUT/minecraft.log" 2>&1 || true
+    tail -n 30 "$OUT/minecraft.log"
     ;;
   envs)
     $PY scripts/bench_envs.py --suite emulated --workers 1,16,64 --seconds 6 | tee "$OUT/envs-emulated.txt"
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,12p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -81,7 +81,7 @@ def test_write_back_from_cuda_tensors():
     result = replay.write_back(handles, state, state).result()
     assert result.updated_count > 0
     for member in range(2):
-        stored = replay.buffer._rbs[member].storage[:]
+        stored = replay.stored(member)
         for value, t in zip(stored.get("state")[:, 0].tolist(), stored.get("t").tolist()):
             assert value in (0.0, float(t - 1))
     replay.close()
@@ -119,4 +119,31 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
         action = client(request).get(("policy", "action"))
         assert action.sum() == 1 and ((action == 0) | (action == 1)).all()
     finally:
+        inference.close()
+
+
+def test_a_weight_sync_never_waits_for_the_learners_later_work():
+    """The sync waits for the update that produced the weights (its event), not for the work the learner
+    queued after it: with a long kernel still running on the learner's stream, the sync is applied and
+    inference answers."""
+    from tests.test_pipeline import SIZE, _agent, _request
+
+    from dreamer.inference import Inference
+
+    layout, agent = _agent()
+    device = torch.device("cuda:0")
+    agent.networks.policy.to(device)
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=device, explore=True).start()
+    try:
+        client, request = inference.clients[0], _request(layout, 3)
+        client(request)
+        learner_stream = torch.cuda.current_stream(device)
+        assert inference.sync()
+        torch.cuda._sleep(20_000_000_000)  # about 10 s of GPU cycles: the learner's next update, queued
+        assert inference.sync.wait(60) and inference.sync.applied == 1
+        answer = client(request)
+        assert not learner_stream.query(), "the learner's queued work ended first: the check proves nothing"
+        assert answer.get(("policy", "action")).sum() == 1
+    finally:
+        torch.cuda.synchronize(device)
         inference.close()

@@ -111,6 +111,16 @@ def test_pipeline_benchmark_runs_on_cpu(workdir):
     assert rows["ratios"]["worker_restarts"] == 0
 
 
+def test_replay_benchmark_runs_on_cpu(workdir):
+    """Both variants report; ours samples fewer bytes (the context of first records only). Timings not checked."""
+    bench = _python([str(ROOT / "scripts" / "bench_replay.py"), "--model", "tiny", "--streams", "4", "--capacity",
+                     "200", "--per-stream", "128", "--batch", "4", "--length", "16", "--samples", "2"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    rows = [json.loads(line) for line in bench.stdout.strip().splitlines()]
+    assert [r.get("variant") for r in rows[:2]] == ["ours", "stock"] and rows[2]["ratio"] == "stock / ours"
+    assert rows[0]["sampled_mb"] < rows[1]["sampled_mb"] and all(r["sample_ms"] > 0 for r in rows[:2])
+
+
 def test_the_slurm_launcher_config_composes():
     """hydra/launcher=slurm resolves to submitit's Slurm launcher with one GPU per job (nothing is submitted)."""
     from hydra import compose, initialize_config_dir

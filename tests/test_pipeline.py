@@ -127,17 +127,17 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
             continuing = ~records.get("is_init")[1:, 0]
             assert (records.get("action")[1:][continuing].sum(-1) == 1).all()
         assert any(c.records.get("is_init").any() for c in first if c.stream == 0)  # the worker's first reset
-        snapshot = replay.buffer._rbs[0].storage[: len(replay.buffer._rbs[0])].clone()
+        snapshot = replay.stored(0)
 
         os.kill(pool.processes[0].pid, signal.SIGKILL)
         after = _receive_until(pool, replay, lambda got: bool(ends) and any(c.stream == 0 for c in got[-1:]))
         assert pool.restarts >= 1 and [stream for stream, _ in ends] == [0]
-        stored = replay.buffer._rbs[0].storage[: snapshot.shape[0]]
+        stored = replay.stored(0)[: snapshot.shape[0]]
         end_slot = ends[0][1]
         assert end_slot >= snapshot.shape[0] - 1
         for key in ("state", "belief", "action", ("next", "observation"), ("next", "reward")):
             assert torch.equal(stored.get(key), snapshot.get(key)), key  # nothing already in replay is lost
-        assert bool(replay.buffer._rbs[0].storage[end_slot].get(("next", "done")))  # truncated there
+        assert bool(replay.stored(0)[end_slot].get(("next", "done")))  # truncated there
         new_chunk = next(c for c in after if c.stream == 0 and c is after[-1])
         assert bool(new_chunk.records.get("is_init")[0])  # the replacement starts a fresh episode
     finally:

@@ -29,7 +29,7 @@ def _replay(streams=2, size=40, batch_size=6, batch_length=3) -> Replay:
 
 
 def _stored(replay: Replay, member: int) -> TensorDict:
-    return replay.buffer._rbs[member].storage[:]
+    return replay.stored(member)
 
 
 @pytest.mark.parametrize("force_fallback", [False, True])
@@ -228,3 +228,90 @@ def test_grouped_write_back_equals_one_masked_update_per_member():
         assert torch.equal(_stored(grouped, member).get("state"), _stored(masked, member).get("state"))
         assert torch.equal(_stored(grouped, member).get("belief"), _stored(masked, member).get("belief"))
     assert any(_stored(grouped, member).get("state").abs().sum() > 0 for member in range(4))
+
+
+def _with_context(step: int, streams: int, width: int = 3) -> TensorDict:
+    """Records whose stored context names them: state = t, belief = -t."""
+    records = _records(step, streams, width)
+    t = records.get("t").float().unsqueeze(-1).expand(streams, width)
+    records.set("state", t.clone())
+    records.set("belief", -t)
+    return records
+
+
+def test_a_sample_carries_the_context_of_each_sequences_first_record():
+    replay = _replay(streams=3, size=60, batch_size=16, batch_length=4)
+    for step in range(12):
+        replay.add(_with_context(step, 3))
+    batch, _ = replay.sample()
+    first = batch.get("t")[:, 0].float()
+    for key, sign in (("state", 1), ("belief", -1)):
+        context = batch.get(key)
+        assert context.shape == (16, 5, 3)
+        assert torch.equal(context[:, 0, 0], sign * first)
+        assert torch.equal(context, context[:, :1].expand_as(context))  # the same along the sequence
+    assert replay.lost_contexts == 0
+    replay.close()
+
+
+@pytest.mark.parametrize("stock", [False, True], ids=["ours", "torchrl_sampler"])
+def test_windows_start_from_the_stored_context_and_are_not_marked_as_episode_starts(stock):
+    """A window's first record keeps its stored is_init (False here): were it forced True, as torchrl's
+    SliceSampler does by default, the learner would reset there and never use the stored context."""
+    replay = Replay(2, 40, 64, 3, torch.device("cpu"), seed=0, stock=stock)
+    for step in range(10):
+        replay.add(_with_context(step, 2))
+    batch, handles = replay.sample()
+    t = batch.get("t")
+    assert torch.all(t[:, 1:] - t[:, :-1] == 1)
+    assert not batch.get("is_init").any()
+    assert torch.equal(batch.get("state")[:, 0, 0], t[:, 0].float())
+    assert torch.equal(batch.get("belief")[:, 0, 0], -t[:, 0].float())
+    assert set(t[:, 0].remainder(1000).tolist()) == set(range(7))  # every window start of 10 records
+    replay.close()
+
+
+def test_a_first_record_overwritten_before_its_context_is_read_starts_afresh():
+    """The context is read after the batch was gathered; a slot rewritten in between (its generation
+    moved on) gives a zero context and is_init at the sequence start, never the new record's context."""
+    replay = _replay(streams=1, size=5, batch_size=1, batch_length=3)
+    for step in range(5):
+        replay.add(_with_context(step, 1))
+    data = replay.buffer.sample().reshape(1, 4)
+    handles = data.select("index", "index_generation")
+    first_t = int(data.get("t")[0, 0])
+    state, belief, lost = replay._first_contexts(handles)
+    assert not lost.any() and float(state[0, 0]) == first_t
+    for step in range(5, 10):  # rewrite every slot
+        replay.add(_with_context(step, 1))
+    state, belief, lost = replay._first_contexts(handles)
+    assert lost.tolist() == [True] and state.abs().sum() == 0 and belief.abs().sum() == 0
+    assert replay.lost_contexts == 1
+    replay.close()
+
+
+def test_a_lost_context_marks_the_sequence_start_as_an_episode_start():
+    replay = _replay(streams=2, size=40, batch_size=4, batch_length=3)
+    for step in range(10):
+        replay.add(_with_context(step, 2))
+    lost = torch.tensor([False, True, False, True])
+    replay._first_contexts = lambda handles: (torch.zeros(4, 3), torch.zeros(4, 3), lost)
+    batch, _ = replay.sample()
+    is_init = batch.get("is_init").reshape(4, 4)  # the slice sampler may drop the trailing 1
+    assert is_init[:, 0].tolist() == lost.tolist() and not is_init[:, 1:].any()
+    replay.close()
+
+
+@pytest.mark.parametrize("chunks", [3, 4, 11])
+def test_windows_of_chunked_streams_stay_inside_the_newest_records(chunks):
+    """Chunks wrap the circular stream at any offset; every window is consecutive and fully stored."""
+    replay = _replay(streams=1, size=10, batch_size=64, batch_length=3)
+    for c in range(chunks):
+        replay.add_chunk(0, TensorDict({key: torch.cat([_records(3 * c + k, 1)[key] for k in range(3)])
+                                        for key in ("t", "state", "belief", "is_init", "next")}, [3]))
+    written = 3 * chunks
+    t = replay.sample()[0].get("t")
+    assert torch.all(t[:, 1:] - t[:, :-1] == 1)
+    assert int(t.min()) >= max(0, written - 10) and int(t.max()) <= written - 1
+    assert set(t[:, 0].tolist()) == set(range(max(0, written - 10), written - 3))  # every window, uniformly
+    replay.close()
