@@ -198,7 +198,7 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
     return {"phase": "train", "env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
             "updates_per_s": round(len(timings) / wall, 2), "learner_busy": round(busy / wall, 3),
             "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1),
-            # where the trainer thread's wall time went (the rest: waiting for chunks, syncs, the loop)
+            # where the trainer thread's wall time went (the rest: weight syncs and the loop itself)
             "host_fraction": {part: round(value / wall, 3) for part, value in p.host.items()},
             "lost_contexts": p.replay.lost_contexts}
 

@@ -20,7 +20,6 @@ last line with the ratios stock / ours. Host timings: run it on the machine whos
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -28,11 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_learner import _emit, _size  # noqa: E402  (scripts/ is on the path of a script run)
 
 from dreamer.agent import IMAGE_KEY, EnvLayout, ModelSize  # noqa: E402
 from dreamer.config import CONFIG_DIR  # noqa: E402
@@ -47,12 +47,6 @@ def _layout() -> EnvLayout:
     layout = EnvLayout.from_specs(probe.observation_spec, probe.action_spec)
     probe.close()
     return layout
-
-
-def _size(name: str) -> ModelSize:
-    model = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())
-    model.pop("name")
-    return ModelSize(**model)
 
 
 def _chunk(layout: EnvLayout, size: ModelSize, count: int, generator: torch.Generator) -> TensorDict:
@@ -132,14 +126,6 @@ def main() -> None:
         _emit({"ratio": "stock / ours", "sample": round(stock["sample_ms"] / ours["sample_ms"], 2),
                "sampled_bytes": round(stock["sampled_mb"] / ours["sampled_mb"], 2),
                "write_back": round(stock["write_back_ms"] / ours["write_back_ms"], 2)}, args.out)
-
-
-def _emit(record: dict, out: str | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out:
-        with open(out, "a") as handle:
-            handle.write(line + "\n")
 
 
 if __name__ == "__main__":
