@@ -329,6 +329,7 @@ class WorkerPool:
         self.heard = [0.0] * n  # when each worker last sent a chunk, or was started
         self.deaths = [0] * n  # deaths in a row, per worker
         self.restarts = 0  # worker restarts plus env rebuilds inside workers
+        self.read_seconds = 0.0  # time spent reading and unpickling chunks (not waiting for them)
 
     def start(self) -> WorkerPool:
         for index in range(len(self.clients)):
@@ -377,11 +378,14 @@ class WorkerPool:
         chunks = []
         for pipe in ready:
             index = self.pipes.index(pipe)
+            start = time.perf_counter()
             try:
                 message = pipe.recv()
             except (EOFError, OSError, pickle.UnpicklingError):  # the worker died, maybe mid-message
                 self._restart(index)
                 continue
+            finally:
+                self.read_seconds += time.perf_counter() - start
             if isinstance(message, str):
                 raise CollectionError(message)
             self.deaths[index] = 0

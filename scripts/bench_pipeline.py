@@ -11,8 +11,9 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
   train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
             training); (c) learner updates/s and its GPU busy fraction (CUDA-event time around each
             learner step, summed, over the phase's wall time); weight syncs every --sync-every updates;
-            host_fraction: the trainer thread's wall time by part (receive = waiting for and unpickling
-            worker chunks, add_chunks, sample, update = the learner's host call, write_back = submission).
+            host_fraction: the trainer thread's wall time by part (wait = idle until a worker chunk
+            arrives, receive = reading and unpickling chunks, add_chunks, sample, update = the learner's
+            host call, write_back = submission).
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
             same update on a batch resident on the device; collection keeps running in both.
   inference (e) the server's batched pass: p50 / p99 ms over the recent batches, mean batch size.
@@ -105,14 +106,16 @@ class Pipeline:
                                "emulated", on_restart=restarted).start()
 
     def gather(self, timeout: float) -> int:
-        steps, clock = 0, time.perf_counter()
+        steps, clock, read = 0, time.perf_counter(), self.pool.read_seconds
         chunks = self.pool.receive(timeout)
         received = time.perf_counter()
         for chunk in chunks:
             self.replay.add_chunk(chunk.stream, chunk.records)
             steps += chunk.records.shape[0]
         self.host["add_chunks"] += time.perf_counter() - received
-        self.host["receive"] += received - clock
+        read = self.pool.read_seconds - read
+        self.host["receive"] += read
+        self.host["wait"] += received - clock - read
         self.steps += steps
         return steps
 
@@ -160,7 +163,7 @@ class Pipeline:
         self.replay.close()
 
 
-HOST_PARTS = ("receive", "add_chunks", "sample", "update", "write_back")
+HOST_PARTS = ("wait", "receive", "add_chunks", "sample", "update", "write_back")
 
 
 def phase_collect(p: Pipeline, seconds: float) -> dict:
