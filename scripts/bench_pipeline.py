@@ -25,8 +25,10 @@ reported, not timed in any phase.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
+import signal
 import statistics
 import sys
 import time
@@ -255,6 +257,8 @@ def main() -> None:
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)
+    # `kill -USR1 <pid>` (or `timeout -s USR1`) prints every thread's stack: where a stuck phase waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def emit(record: dict) -> None:
         line = json.dumps(record)
