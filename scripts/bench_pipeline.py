@@ -250,6 +250,9 @@ def main() -> None:
     parser.add_argument("--inference-wait-ms", type=float, default=2.0)
     parser.add_argument("--inference", choices=["auto", "thread", "process"], default="auto",
                         help="the server in its own process or a thread of this one (auto: as run.inference)")
+    parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",
+                        help="the server's CUDA graph: ours (replayed on the serving stream alone) or torchrl's "
+                             "(tensordict's CudaGraphModule: a device-wide synchronize before every replay)")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
     parser.add_argument("--overhead-updates", type=int, default=30)
@@ -267,10 +270,15 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
 
+    if args.serving_graph == "torchrl":
+        from torchrl.modules.inference_server import InferenceServer
+
+        from dreamer import inference
+        inference._StreamServer.prepare_cudagraph = InferenceServer.prepare_cudagraph
     p = Pipeline(args)
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
-              "inference": args.inference,
+              "inference": args.inference, "serving_graph": args.serving_graph,
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}
     emit({"phase": "warmup", **config, "warmup_seconds": round(p.warmup(), 1)})
