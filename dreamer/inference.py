@@ -159,8 +159,13 @@ class _ServingGraph:
                 model(self.inputs.clone())
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the learner's thread may call into CUDA while the server captures.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        # A capture stream of its own: cuBLAS picks its workspace per stream at capture and the graph
+        # keeps it. Captured on torch's shared default capture stream, like the learner's step was, both
+        # graphs used one workspace, and replayed side by side they hung the GPU (a pipeline run on one
+        # H200 never finished its train phase). thread_local: the learner's thread may call into CUDA
+        # while the server captures.
+        capture = torch.cuda.Stream(device)
+        with torch.cuda.graph(self.graph, stream=capture, capture_error_mode="thread_local"):
             # A shallow copy: the model may rebind keys of its input, the graph reads `self.inputs`' leaves.
             self.outputs = model(self.inputs.copy())
 

@@ -683,7 +683,10 @@ class Learner:
             torch.cuda.synchronize(self.device)
             self._report(f"3 warm-up updates done at {time.perf_counter() - start:.1f} s")
             self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
+            # A capture stream of its own: cuBLAS's workspace is chosen per stream at capture and baked
+            # into the graph; two graphs captured on torch's shared default capture stream share it and,
+            # replayed side by side (this step and the inference server's pass), can hang the GPU.
+            with torch.cuda.graph(self._graph, stream=torch.cuda.Stream(self.device)):
                 self._outputs = self._step(inputs)
             self._static = inputs
             self._report(f"captured the CUDA graph at {time.perf_counter() - start:.1f} s")
