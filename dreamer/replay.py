@@ -160,6 +160,9 @@ class Replay:
             prefetch=prefetch if self.device.type == "cuda" else None,
         )
         self._stream_ids = torch.arange(streams)
+        # Copies between host and learner on streams of their own (see `_upload` and `write_back`).
+        self._uploads: dict[torch.device, torch.cuda.Stream] = {}
+        self._downloads: dict[torch.device, torch.cuda.Stream] = {}
         self.stock = stock
         self.added = 0
         self.lost_contexts = 0  # sampled sequences whose first record was overwritten before its context was read
@@ -212,18 +215,42 @@ class Replay:
         handles = data.select(*HANDLE_KEYS)
         batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
         if self.stock:
-            return batch.to(self.device, non_blocking=True), handles
+            return self._upload(batch)[0], handles
         state, belief, lost = self._first_contexts(handles)
         if lost.any():  # start those sequences afresh, as at an episode start
             is_init = batch.get("is_init").clone()
             is_init[:, 0] |= lost.reshape(-1, *[1] * (is_init.ndim - 2))
             batch.set("is_init", is_init)
-        batch = batch.to(self.device, non_blocking=True)
+        batch, state, belief = self._upload(batch, state, belief)
         shape = (self.batch_size, self.sequence)
         for key, first in (("state", state), ("belief", belief)):
-            first = first.to(self.device, non_blocking=True)
             batch.set(key, first.unsqueeze(1).expand(*shape, first.shape[-1]))
         return batch, handles
+
+    def _upload(self, *host: TensorDictBase | torch.Tensor) -> tuple:
+        """The sample's pieces (pinned) on the learner device, copied on a stream of their own.
+
+        The learner's stream only waits for the copies' end: enqueued while the previous update still
+        runs, they overlap it instead of queuing behind it (about 100 MB at the Minecraft shapes).
+        """
+        if self.device.type != "cuda":
+            return tuple(piece.to(self.device) for piece in host)
+        learner = torch.cuda.current_stream(self.device)
+        upload = self._copy_stream(self._uploads, self.device)
+        with torch.cuda.stream(upload):
+            moved = tuple(piece.to(self.device, non_blocking=True) for piece in host)
+        learner.wait_stream(upload)
+        for piece in moved:  # allocated on the copies' stream, read on the learner's
+            is_td = isinstance(piece, TensorDictBase)
+            for leaf in piece.values(include_nested=True, leaves_only=True) if is_td else [piece]:
+                leaf.record_stream(learner)
+        return moved
+
+    @staticmethod
+    def _copy_stream(streams: dict, device: torch.device) -> torch.cuda.Stream:
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return streams[device]
 
     def _first_contexts(self, handles: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored (state, belief) of each sampled sequence's first record, read now, and a mask of
@@ -260,8 +287,9 @@ class Replay:
         """Submits the refreshed posterior of records [:, :-1] as the context of records [:, 1:].
 
         Overlapping slices address some slots more than once: the last write wins. The copy to the host
-        is enqueued on the producing stream now; torchrl's update thread applies it once it has landed,
-        into slots whose generation is unchanged since sampling. `wait` (default: on a CPU learner only)
+        is enqueued now, after the work that produced the values (on a copy stream that waits for the
+        producing stream); torchrl's update thread applies it once it has landed (an event), into slots
+        whose generation is unchanged since sampling. `wait` (default: on a CPU learner only)
         returns after it has been applied.
         """
         index = handles.get("index")[:, 1:].reshape(-1)
@@ -273,7 +301,21 @@ class Replay:
             "state": state.detach().reshape(-1, state.shape[-1])[on_device].float(),
             "belief": belief.detach().reshape(-1, belief.shape[-1])[on_device].float(),
         }
-        future = self.buffer.submit_update_if_present(index=index[keep], generation=generation[keep], patch=patch)
+        if state.is_cuda:
+            # The patch is gathered on the producing stream (it reads the update's outputs, which the
+            # next update overwrites); its copies to the host run on a stream of their own, so the
+            # learner's next update does not queue behind them (168 MB at the Minecraft shapes).
+            producer = torch.cuda.current_stream(state.device)
+            download = self._copy_stream(self._downloads, state.device)
+            download.wait_stream(producer)
+            for value in patch.values():
+                value.record_stream(download)
+            with torch.cuda.stream(download):
+                future = self.buffer.submit_update_if_present(
+                    index=index[keep], generation=generation[keep], patch=patch)
+        else:
+            future = self.buffer.submit_update_if_present(index=index[keep], generation=generation[keep],
+                                                          patch=patch)
         if wait or (wait is None and self.device.type == "cpu"):
             # A CPU learner gains nothing from overlapping the update: the thread would compete with
             # the next learner step for the same cores (measured: slower on 2 cores).

@@ -14,9 +14,11 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
             host_fraction: the trainer thread's wall time by part (wait = idle until a worker chunk
             arrives, receive = reading and unpickling chunks, add_chunks, sample, update = the learner's
             host call, write_back = submission).
+  inference (e) the server's batched pass during the train phase: p50 / p99 ms over its recent
+            batches (host to device and back), mean batch size.
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
-            same update on a batch resident on the device; collection keeps running in both.
-  inference (e) the server's batched pass: p50 / p99 ms over the recent batches, mean batch size.
+            same update on a batch resident on the device, in blocks of back-to-back updates (the steady
+            state of training); collection keeps running in both.
 
 A last line holds the ratios (b)/(a) and (d). Learner warm-up (compile, capture) comes first and is
 reported, not timed in any phase.
@@ -208,24 +210,27 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
             "lost_contexts": p.replay.lost_contexts}
 
 
-def phase_overhead(p: Pipeline, updates: int) -> dict:
-    """(d) update time with sampling + write-back vs a resident batch, alternating blocks, medians."""
+def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
+    """(d) update time with sampling + write-back vs a resident batch: blocks of `block` back-to-back
+    updates (the steady state of training: the next sample and the last write-back's copies overlap the
+    learner's work), the device drained at each block's ends only; alternating blocks, medians of the
+    per-update time of a block."""
     resident = p.replay.sample()[0][:, :-1].to(p.device)
     with_replay, alone = [], []
-    for block in range(2 * max(1, updates // 5)):
-        target = with_replay if block % 2 == 0 else alone
-        for _ in range(5):
-            p.gather(0.0)  # collection keeps running
-            if p.cuda:  # wall time per update, the learner's stream drained before and after
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+    for index in range(2 * max(1, updates // block)):
+        target = with_replay if index % 2 == 0 else alone
+        p.gather(0.0)  # collection keeps running
+        if p.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(block):
             p.update(None if target is with_replay else resident)
-            if p.cuda:
-                torch.cuda.synchronize()
-            target.append(time.perf_counter() - start)
+        if p.cuda:
+            torch.cuda.synchronize()
+        target.append((time.perf_counter() - start) / block)
     a, b = statistics.median(with_replay), statistics.median(alone)
     return {"phase": "overhead", "ms_with_replay": round(a * 1e3, 2), "ms_resident": round(b * 1e3, 2),
-            "overhead": round(a / b - 1, 4), "updates": len(with_replay) + len(alone)}
+            "overhead": round(a / b - 1, 4), "updates": block * (len(with_replay) + len(alone))}
 
 
 def phase_inference(p: Pipeline) -> dict:
@@ -288,9 +293,10 @@ def main() -> None:
         emit(a)
         b = phase_train(p, args.seconds)
         emit(b)
+        # The passes of the train phase: the server beside a learner that trains at the ratio.
+        emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
         d = phase_overhead(p, args.overhead_updates)
         emit(d)
-        emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
         emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / a["env_steps_per_s"], 4),
               "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
     finally:
