@@ -258,6 +258,9 @@ def main() -> None:
     parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",
                         help="the server's CUDA graph: ours (replayed on the serving stream alone) or torchrl's "
                              "(tensordict's CudaGraphModule: a device-wide synchronize before every replay)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the trainer process's torch intra-op threads (0: torch's default, one per core; "
+                             "run.threads); env workers use one each")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
     parser.add_argument("--overhead-updates", type=int, default=30)
@@ -275,6 +278,8 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(line + "\n")
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.serving_graph == "torchrl":
         from torchrl.modules.inference_server import InferenceServer
 
@@ -284,6 +289,7 @@ def main() -> None:
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
               "inference": args.inference, "serving_graph": args.serving_graph,
+              "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}
     emit({"phase": "warmup", **config, "warmup_seconds": round(p.warmup(), 1)})
