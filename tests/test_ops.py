@@ -102,10 +102,11 @@ def test_pipeline_benchmark_runs_on_cpu(workdir):
     """Every phase reports, with 4 emulated-env workers and the CPU inference server (timings not checked)."""
     bench = _python([str(ROOT / "scripts" / "bench_pipeline.py"), "--device", "cpu", "--model", "smoke", "--batch", "4",
                      "--length", "8", "--envs", "4", "--latency", "0.01", "--seconds", "3", "--overhead-updates",
-                     "4", "--replay", "4000", "--out", "pipeline.jsonl"], workdir)
+                     "4", "--replay", "4000", "--threads", "1", "--out", "pipeline.jsonl"], workdir)
     assert bench.returncode == 0, bench.stderr[-2000:]
     rows = {r["phase"]: r for r in map(json.loads, (workdir / "pipeline.jsonl").read_text().splitlines())}
-    assert list(rows) == ["warmup", "collect", "train", "overhead", "inference", "ratios"]
+    assert rows["warmup"]["threads"] == 1  # --threads reached torch
+    assert list(rows) == ["warmup", "collect", "train", "inference", "overhead", "ratios"]
     assert rows["collect"]["env_steps_per_s"] > 0 and rows["train"]["updates"] > 0
     assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
     assert rows["ratios"]["worker_restarts"] == 0
