@@ -2,6 +2,7 @@
 
     python scripts/bench_replay.py                       # Minecraft shapes: 64 streams, 32 x 257, size50m
     python scripts/bench_replay.py --device cuda         # sample includes pinning and the copy to the GPU
+    python scripts/bench_replay.py --device cuda --profile replay-profile.txt   # and where the time goes
     python scripts/bench_replay.py --streams 4 --per-stream 64 --batch 4 --length 16 --samples 3   # CI smoke
 
 Both variants are `dreamer.replay.Replay` filled with the same records of the emulated Minecraft env's
@@ -20,7 +21,9 @@ last line with the ratios stock / ours. Host timings: run it on the machine whos
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import statistics
 import sys
 import time
@@ -74,12 +77,17 @@ def measure(args, layout: EnvLayout, size: ModelSize, stock: bool) -> dict:
         for _ in range(args.per_stream // 64):
             replay.add_chunk(stream, _chunk(layout, size, 64, generator))
     samples, write_backs, sampled = [], [], 0
+    profiler = cProfile.Profile() if args.profile else None
     for i in range(args.samples + 2):
+        if profiler is not None and i >= 2:
+            profiler.enable()
         start = time.perf_counter()
         batch, handles = replay.sample()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         took = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
         # The distinct bytes the batch holds (an expanded context counts once per sequence).
         sampled = _nbytes(batch.exclude("state", "belief")) + sum(
             batch.get(k)[:, 0].numel() * 4 for k in ("state", "belief")) * (args.length + 1 if stock else 1)
@@ -91,6 +99,11 @@ def measure(args, layout: EnvLayout, size: ModelSize, stock: bool) -> dict:
             samples.append(took)
             write_backs.append(time.perf_counter() - start)
     replay.close()
+    if profiler is not None:  # where the trainer thread's sampling time goes (the prefetch thread not included)
+        with open(args.profile, "a") as f:
+            f.write(f"== {'stock' if stock else 'ours'}: {args.samples} samples on {args.device}\n")
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(25)
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(15)
     return {"variant": "stock" if stock else "ours", "device": args.device, "streams": args.streams,
             "records": args.streams * args.per_stream, "batch": args.batch, "length": args.length,
             "model": args.model, "sample_ms": round(statistics.median(samples) * 1e3, 1),
@@ -110,6 +123,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--variant", default="ours,stock")
     parser.add_argument("--out", help="also append the JSON lines to this file")
+    parser.add_argument("--profile", help="append each variant's cProfile of the timed samples to this file")
     args = parser.parse_args()
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # one line per stream's storage otherwise
     if args.per_stream < 64 or args.per_stream % 64 or args.per_stream < args.length + 1:

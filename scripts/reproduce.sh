@@ -48,7 +48,7 @@ case "${1:-}" in
       --latency 0.05 --seconds 25 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
       --latency 0 --seconds 15 --inference thread --out "$OUT/pipeline-0ms.jsonl"
-    $PY scripts/bench_replay.py --device cuda --out "$OUT/replay.jsonl"
+    $PY scripts/bench_replay.py --device cuda --out "$OUT/replay.jsonl" --profile "$OUT/replay-profile.txt"
     ;;
   pipeline-16)
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 16 \
