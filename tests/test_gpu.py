@@ -77,6 +77,11 @@ def test_write_back_from_cuda_tensors():
         replay.add(_records(step, 2))
     batch, handles = replay.sample()
     assert batch.device.type == "cuda"
+    # The upload ran on the replay's copy stream; read on the current stream, the batch is the stored records.
+    members, slots = handles.get(("index", "buffer_ids")), handles.get(("index", "index"))
+    stored = [replay.stored(member).get("t") for member in range(2)]
+    expected = torch.stack([stored[m][s] for m, s in zip(members.reshape(-1).tolist(), slots.reshape(-1).tolist())])
+    assert torch.equal(batch.get("t").reshape(-1).cpu(), expected)
     state = batch.get("t")[:, :-1].float().unsqueeze(-1).expand(8, 3, 3).contiguous()
     result = replay.write_back(handles, state, state).result()
     assert result.updated_count > 0
