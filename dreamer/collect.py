@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -411,6 +412,67 @@ class WorkerPool:
                 process.kill()
                 process.join()
             pipe.close()
+
+
+class Ingest:
+    """Moves the workers' chunks into replay from a thread of its own.
+
+    The training loop's thread then only samples, updates and writes back: reading a chunk (unpickling,
+    a shared-memory handle per tensor) and adding it to replay (a copy into its stream's storage) run
+    here, beside the loop's updates instead of between them. `take` hands the loop what was added since
+    its last call. A collection failure in the thread (a worker that keeps dying, a broken env, the
+    inference server gone) is raised by the next `take`, after the steps added before it.
+    """
+
+    def __init__(self, pool: WorkerPool, add: Callable[[Chunk], None], alive: Callable[[], bool] | None = None,
+                 poll: float = 0.2):
+        self.pool, self.add, self.alive, self.poll = pool, add, alive, poll
+        self.add_seconds = 0.0  # this thread's time adding chunks to replay (reading: pool.read_seconds)
+        self.error: BaseException | None = None
+        self._steps, self._episodes = 0, []
+        self._lock = threading.Lock()
+        self._arrived = threading.Event()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="dreamer-ingest")
+
+    def start(self) -> Ingest:
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.alive is not None and not self.alive():
+                    raise CollectionError("the inference server stopped")
+                for chunk in self.pool.receive(timeout=self.poll):
+                    start = time.perf_counter()
+                    self.add(chunk)
+                    self.add_seconds += time.perf_counter() - start
+                    with self._lock:
+                        self._steps += chunk.records.shape[0]
+                        self._episodes += chunk.episodes
+                    self._arrived.set()
+        except BaseException as error:  # handed to the training loop by take()
+            self.error = error
+            self._arrived.set()
+
+    def take(self, timeout: float) -> tuple[int, list[Episode]]:
+        """(env steps added, episodes ended) since the last call; waits up to `timeout` s when there are none."""
+        if not self._steps and self.error is None:
+            self._arrived.wait(timeout)
+        with self._lock:
+            self._arrived.clear()
+            steps, episodes = self._steps, self._episodes
+            self._steps, self._episodes = 0, []
+        if not steps and self.error is not None:
+            raise self.error
+        return steps, episodes
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stops the thread (after the chunk in hand); the pool is closed by its owner afterwards."""
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
 
 
 def start_workers(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,

@@ -15,7 +15,7 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import CollectionError, Collector, start_workers
+from dreamer.collect import CollectionError, Collector, Ingest, start_workers
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
@@ -78,7 +78,7 @@ def train(cfg: DictConfig) -> None:
     collector = None if workers else Collector(
         [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
         agent.policy, layout, settings.size, device, suite=cfg.env.suite)
-    inference = pool = None  # the workers' inference server and processes start after the warm-up
+    inference = pool = ingest = None  # the workers' inference server and processes start after the warm-up
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps counts env steps collected while replay is ready, so refilling replay after a
     # resume does not pile up a burst of owed updates.
@@ -133,6 +133,8 @@ def train(cfg: DictConfig) -> None:
                                             device, settings.cudagraph, replay)
         except CollectionError as error:
             raise RunError(str(error)) from None
+        ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records),
+                        alive=lambda: inference.alive).start()
     should_sync = Every(cfg.run.sync_every, learner.updates)
 
     def gather() -> tuple[int, list]:
@@ -141,13 +143,9 @@ def train(cfg: DictConfig) -> None:
             records, episodes = collector.step()
             replay.add(records)
             return cfg.run.envs, episodes
-        if not inference.alive:
+        if not inference.alive:  # checked here too: before the loop's next weight sync meets a dead server
             raise CollectionError("the inference server stopped")
-        steps, episodes = 0, []
-        for chunk in pool.receive(timeout=1.0):
-            replay.add_chunk(chunk.stream, chunk.records)
-            steps, episodes = steps + chunk.records.shape[0], episodes + chunk.episodes
-        return steps, episodes
+        return ingest.take(timeout=1.0)  # the chunks are added to replay by the ingest thread
 
     window: list = []  # episodes ended since the last metrics record
     pending: list = []  # metrics records waiting for the learner's device values
@@ -205,7 +203,7 @@ def train(cfg: DictConfig) -> None:
             elif cfg.run.eval_episodes:
                 run_eval("final_eval")
     finally:  # also when the run stops with an error: no worker process or server thread outlives it
-        for part in (pool, inference, metrics, replay, collector, evaluator):
+        for part in (ingest, pool, inference, metrics, replay, collector, evaluator):
             if part is not None:
                 part.close()
 

@@ -13,7 +13,8 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
             learner step, summed, over the phase's wall time); weight syncs every --sync-every updates;
             host_fraction: the trainer thread's wall time by part (wait = idle until a worker chunk
             arrives, receive = reading and unpickling chunks, add_chunks, sample, update = the learner's
-            host call, write_back = submission).
+            host call, write_back = submission); with --ingest thread (the default, as in training) the
+            chunks are read and added in the ingest thread, whose time is ingest_fraction.
   inference (e) the server's batched pass during the train phase: p50 / p99 ms over its recent
             batches (host to device and back), mean batch size.
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
@@ -43,7 +44,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
-from dreamer.collect import WorkerPool  # noqa: E402
+from dreamer.collect import Ingest, WorkerPool  # noqa: E402
 from dreamer.config import CONFIG_DIR  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
 from dreamer.inference import Inference  # noqa: E402
@@ -86,6 +87,7 @@ class Pipeline:
         self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device)
         self.steps = 0
         self.host = dict.fromkeys(HOST_PARTS, 0.0)  # the trainer thread's host seconds, by part
+        self.ingest: Ingest | None = None
 
     def warmup(self) -> float:
         start = time.perf_counter()
@@ -108,8 +110,17 @@ class Pipeline:
 
         self.pool = WorkerPool(self.env_cfg, 0, self.layout, self.size, self.inference.clients, args.chunk,
                                "emulated", on_restart=restarted).start()
+        if args.ingest == "thread":
+            self.ingest = Ingest(self.pool, lambda chunk: self.replay.add_chunk(chunk.stream, chunk.records),
+                                 alive=lambda: self.inference.alive).start()
 
     def gather(self, timeout: float) -> int:
+        if self.ingest is not None:  # the chunks go to replay in the ingest thread, as in training
+            clock = time.perf_counter()
+            steps = self.ingest.take(timeout)[0]
+            self.host["wait"] += time.perf_counter() - clock
+            self.steps += steps
+            return steps
         steps, clock, read = 0, time.perf_counter(), self.pool.read_seconds
         chunks = self.pool.receive(timeout)
         received = time.perf_counter()
@@ -162,6 +173,8 @@ class Pipeline:
         return timing[0] if len(timing) == 1 else timing[0].elapsed_time(timing[1]) / 1e3
 
     def close(self) -> None:
+        if self.ingest is not None:
+            self.ingest.close()
         self.pool.close()
         self.inference.close()
         self.replay.close()
@@ -188,6 +201,7 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
     per_step = args.train_ratio / (args.batch * args.length)
     owed, steps, timings, syncs = 0.0, 0, [], 0
     p.host = dict.fromkeys(HOST_PARTS, 0.0)
+    read, added = p.pool.read_seconds, p.ingest.add_seconds if p.ingest else 0.0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         arrived = p.gather(0.0 if owed >= 1 else 0.5)
@@ -207,6 +221,10 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
             "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1),
             # where the trainer thread's wall time went (the rest: weight syncs and the loop itself)
             "host_fraction": {part: round(value / wall, 3) for part, value in p.host.items()},
+            # --ingest thread: the ingest thread's time reading chunks and adding them to replay
+            **({"ingest_fraction": {"receive": round((p.pool.read_seconds - read) / wall, 3),
+                                    "add_chunks": round((p.ingest.add_seconds - added) / wall, 3)}}
+               if p.ingest else {}),
             "lost_contexts": p.replay.lost_contexts}
 
 
@@ -258,6 +276,9 @@ def main() -> None:
     parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",
                         help="the server's CUDA graph: ours (replayed on the serving stream alone) or torchrl's "
                              "(tensordict's CudaGraphModule: a device-wide synchronize before every replay)")
+    parser.add_argument("--ingest", choices=["thread", "inline"], default="thread",
+                        help="worker chunks into replay: in an ingest thread, as training does, or inline in "
+                             "the trainer thread between updates")
     parser.add_argument("--threads", type=int, default=0,
                         help="the trainer process's torch intra-op threads (0: torch's default, one per core; "
                              "run.threads); env workers use one each")
@@ -288,7 +309,7 @@ def main() -> None:
     p = Pipeline(args)
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
-              "inference": args.inference, "serving_graph": args.serving_graph,
+              "inference": args.inference, "serving_graph": args.serving_graph, "ingest": args.ingest,
               "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}

@@ -9,8 +9,8 @@
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU: 50 ms with the
 #                                             # server as a thread, then as a process; 0 ms (thread); replay cost
 #   bash scripts/reproduce.sh pipeline-16     # 16 workers at 50 ms (one per core), server as a thread
-#   bash scripts/reproduce.sh pipeline-threads  # 64 workers at 50 ms: the trainer with 2 intra-op threads,
-#                                             # then with torch's default (one per core)
+#   bash scripts/reproduce.sh pipeline-host   # 64 workers at 50 ms, the trainer's host side: chunks added
+#                                             # in the ingest thread, then inline; then 2 intra-op threads
 #   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=emulated, 64 workers, a few minutes
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #
@@ -54,10 +54,12 @@ case "${1:-}" in
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 16 \
       --latency 0.05 --seconds 25 --out "$OUT/pipeline-50ms-16.jsonl"
     ;;
-  pipeline-threads)
-    for threads in 2 0; do
+  pipeline-host)
+    for variant in "thread 0" "inline 0" "thread 2"; do
+      set -- $variant
       $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-        --latency 0.05 --seconds 25 --inference thread --threads $threads --out "$OUT/pipeline-50ms-threads$threads.jsonl"
+        --latency 0.05 --seconds 25 --inference thread --ingest "$1" --threads "$2" \
+        --out "$OUT/pipeline-50ms-ingest-$1-threads$2.jsonl"
     done
     ;;
   minecraft)

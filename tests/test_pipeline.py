@@ -203,6 +203,45 @@ def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
         inference.close()
 
 
+def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_collection_error():
+    """Real worker processes: the thread adds a healthy worker's chunks to replay and `take` counts each
+    added step exactly once; with a worker whose env cannot be created, `take` raises its one line."""
+    from dreamer.collect import CollectionError, Ingest
+
+    layout, agent = _agent()
+    replay = Replay(2, 4000, 2, 4, torch.device("cpu"))
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
+    pool = WorkerPool(ENV, 0, layout, SIZE, inference.clients, chunk=8, suite="gym").start()
+    ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records),
+                    alive=lambda: inference.alive).start()
+    taken, deadline = 0, time.monotonic() + 120
+    try:
+        while taken < 24:
+            assert time.monotonic() < deadline, f"only {taken} steps arrived"
+            steps, episodes = ingest.take(timeout=1.0)
+            taken += steps
+            assert all(episode.length > 0 for episode in episodes)
+        ingest.close()
+        taken += ingest.take(timeout=0)[0]  # what arrived while it stopped
+        assert taken == replay.added == len(replay) and taken % 8 == 0
+    finally:
+        ingest.close()
+        pool.close()
+    broken = {**ENV, "task": "NoSuchTask-v0"}
+    pool = WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
+    ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records)).start()
+    try:
+        deadline = time.monotonic() + 120
+        with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row"):
+            while time.monotonic() < deadline:
+                ingest.take(timeout=1.0)
+    finally:
+        ingest.close()
+        pool.close()
+        inference.close()
+        replay.close()
+
+
 def test_a_hung_worker_is_killed_and_restarted():
     """The emulated env's reset sleeps for an hour: the worker sends nothing and is killed after the stall
     limit, then restarted; hanging every time, it stops collection after max_restarts deaths."""
