@@ -12,7 +12,8 @@ observations or rewards stop it at once: they mean the env is broken, not unluck
 
 `WorkerPool` runs the same collector in `run.envs` worker processes, one env each, acting through the
 batched inference server (`dreamer.inference`): each worker sends its records to the trainer in chunks of
-`run.chunk` consecutive records over its own pipe. A worker that dies (killed, crashed) is restarted in
+`run.chunk` consecutive records over its own pipe; `Ingest`, a thread of the trainer, adds them to
+replay beside the training loop's updates. A worker that dies (killed, crashed) is restarted in
 place; the records it had not sent yet are lost, its replay stream is ended as truncated at the last
 record the trainer received, and the new worker starts a fresh episode.
 """
