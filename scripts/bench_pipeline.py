@@ -314,15 +314,24 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}
     emit({"phase": "warmup", **config, "warmup_seconds": round(p.warmup(), 1)})
+
+    def watched(phase, *phase_args):
+        """A phase that runs far past its length prints every thread's stack (a device hang shows there)."""
+        faulthandler.dump_traceback_later(3 * args.seconds + 120)
+        try:
+            return phase(*phase_args)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
     p.start_collection()
     try:
-        a = phase_collect(p, args.seconds)
+        a = watched(phase_collect, p, args.seconds)
         emit(a)
-        b = phase_train(p, args.seconds)
+        b = watched(phase_train, p, args.seconds)
         emit(b)
         # The passes of the train phase: the server beside a learner that trains at the ratio.
         emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
-        d = phase_overhead(p, args.overhead_updates)
+        d = watched(phase_overhead, p, args.overhead_updates)
         emit(d)
         emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / a["env_steps_per_s"], 4),
               "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
