@@ -423,11 +423,18 @@ class Ingest:
     here, beside the loop's updates instead of between them. `take` hands the loop what was added since
     its last call. A collection failure in the thread (a worker that keeps dying, a broken env, the
     inference server gone) is raised by the next `take`, after the steps added before it.
+
+    Backpressure: with `max_pending` steps added and not yet taken, the thread stops reading until the
+    loop takes them; the workers' pipes then fill and the workers wait. A learner slower than
+    collection thus slows collection down to the train ratio, instead of owing updates for every step
+    collected meanwhile.
     """
 
     def __init__(self, pool: WorkerPool, add: Callable[[Chunk], None], alive: Callable[[], bool] | None = None,
-                 poll: float = 0.2):
+                 max_pending: int | None = None, poll: float = 0.2):
         self.pool, self.add, self.alive, self.poll = pool, add, alive, poll
+        self.max_pending = max_pending
+        self._taken = threading.Event()
         self.add_seconds = 0.0  # this thread's time adding chunks to replay (reading: pool.read_seconds)
         self.error: BaseException | None = None
         self._steps, self._episodes = 0, []
@@ -445,6 +452,10 @@ class Ingest:
             while not self._stop.is_set():
                 if self.alive is not None and not self.alive():
                     raise CollectionError("the inference server stopped")
+                if self.max_pending is not None and self._steps >= self.max_pending:
+                    self._taken.wait(self.poll)  # the loop has not taken the last ones yet
+                    self._taken.clear()
+                    continue
                 for chunk in self.pool.receive(timeout=self.poll):
                     start = time.perf_counter()
                     self.add(chunk)
@@ -465,6 +476,7 @@ class Ingest:
             self._arrived.clear()
             steps, episodes = self._steps, self._episodes
             self._steps, self._episodes = 0, []
+        self._taken.set()
         if not steps and self.error is not None:
             raise self.error
         return steps, episodes

@@ -133,8 +133,9 @@ def train(cfg: DictConfig) -> None:
                                             device, settings.cudagraph, replay)
         except CollectionError as error:
             raise RunError(str(error)) from None
+        # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
         ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records),
-                        alive=lambda: inference.alive).start()
+                        alive=lambda: inference.alive, max_pending=cfg.run.envs * cfg.run.chunk).start()
     should_sync = Every(cfg.run.sync_every, learner.updates)
 
     def gather() -> tuple[int, list]:

@@ -112,7 +112,7 @@ class Pipeline:
                                "emulated", on_restart=restarted).start()
         if args.ingest == "thread":
             self.ingest = Ingest(self.pool, lambda chunk: self.replay.add_chunk(chunk.stream, chunk.records),
-                                 alive=lambda: self.inference.alive).start()
+                                 alive=lambda: self.inference.alive, max_pending=args.envs * args.chunk).start()
 
     def gather(self, timeout: float) -> int:
         if self.ingest is not None:  # the chunks go to replay in the ingest thread, as in training

@@ -224,6 +224,12 @@ def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_colle
         ingest.close()
         taken += ingest.take(timeout=0)[0]  # what arrived while it stopped
         assert taken == replay.added == len(replay) and taken % 8 == 0
+        # Backpressure: with 8 steps not taken, the thread reads no more (one read takes at most a chunk
+        # per worker), however far ahead the worker could run meanwhile.
+        ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records), max_pending=8).start()
+        time.sleep(3.0)
+        assert 8 <= ingest.take(timeout=0)[0] <= 8 + 8
+        assert ingest.take(timeout=60)[0] > 0  # taking lets it go on
     finally:
         ingest.close()
         pool.close()
