@@ -372,7 +372,9 @@ class WorkerPool:
         """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
         now = time.monotonic()
         for index, process in enumerate(self.processes):
-            if now - self.heard[index] > self.stall_seconds and process.is_alive():
+            # A chunk waiting in the pipe is not a stall: the trainer did not read (an evaluation, or
+            # the ingest thread holding back while the learner catches up).
+            if now - self.heard[index] > self.stall_seconds and process.is_alive() and not self.pipes[index].poll():
                 process.kill()  # its pipe reports the death below, and it is restarted like any other
                 self.stalls += 1
                 self.heard[index] = now

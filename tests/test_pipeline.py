@@ -248,6 +248,25 @@ def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_colle
         replay.close()
 
 
+def test_a_worker_whose_chunks_wait_unread_is_not_taken_for_hung():
+    """The trainer reads nothing for twice the stall limit (an evaluation, say) while the worker's chunks
+    wait in its pipe: the worker is not killed."""
+    layout, agent = _agent()
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
+    pool = WorkerPool(ENV, 0, layout, SIZE, inference.clients, chunk=8, suite="gym").start()
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.receive(timeout=1.0):
+            assert time.monotonic() < deadline, "no chunk arrived"
+        pool.stall_seconds = 2.0  # once started (a worker's start-up alone takes seconds)
+        time.sleep(4.0)
+        assert pool.receive(timeout=1.0)
+        assert pool.stalls == 0 and pool.restarts == 0
+    finally:
+        pool.close()
+        inference.close()
+
+
 def test_a_hung_worker_is_killed_and_restarted():
     """The emulated env's reset sleeps for an hour: the worker sends nothing and is killed after the stall
     limit, then restarted; hanging every time, it stops collection after max_restarts deaths."""
