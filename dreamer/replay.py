@@ -205,9 +205,15 @@ class Replay:
         with member._replay_lock:
             return member.storage._storage[: len(member)].clone()
 
-    def ready(self) -> bool:
-        """True once every stream holds at least one full sequence."""
-        return all(len(member) >= self.sequence for member in self.buffer._rbs)
+    def ready(self, every: bool = False) -> bool:
+        """True once some stream holds a full sequence (`every`: once every stream does).
+
+        Sampling draws streams in proportion to their windows, so a stream without one yet (its worker's
+        env still starting: MineRL's take a minute or more, and some retry) is never drawn, and training
+        does not wait for the slowest worker.
+        """
+        check = all if every else any
+        return check(len(member) >= self.sequence for member in self.buffer._rbs)
 
     def sample(self) -> tuple[TensorDictBase, TensorDictBase]:
         """A batch [batch_size, batch_length + 1] on the learner device, and its host-side handles."""

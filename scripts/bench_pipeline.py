@@ -185,7 +185,7 @@ HOST_PARTS = ("wait", "receive", "add_chunks", "sample", "update", "write_back")
 
 def phase_collect(p: Pipeline, seconds: float) -> dict:
     """(a) until replay can be sampled and at least `seconds`; the rate over the last `seconds`."""
-    while not p.replay.ready():
+    while not p.replay.ready(every=True):
         p.gather(1.0)
     start, steps = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:

@@ -315,3 +315,19 @@ def test_windows_of_chunked_streams_stay_inside_the_newest_records(chunks):
     assert int(t.min()) >= max(0, written - 10) and int(t.max()) <= written - 1
     assert set(t[:, 0].tolist()) == set(range(max(0, written - 10), written - 3))  # every window, uniformly
     replay.close()
+
+
+def test_training_can_start_before_every_stream_has_a_sequence():
+    """A stream whose producer has not delivered yet is never drawn; the others are sampled."""
+    replay = _replay(streams=2, size=40, batch_size=4, batch_length=3)
+    assert not replay.ready()
+    replay.add_chunk(0, torch.cat([_records(step, 1) for step in range(3)]))
+    assert not replay.ready()  # 3 records: short of one sequence of 4
+    replay.add_chunk(0, torch.cat([_records(step, 1) for step in range(3, 6)]))
+    assert replay.ready() and not replay.ready(every=True)
+    batch, handles = replay.sample()
+    assert (handles.get(("index", "buffer_ids")) == 0).all()
+    assert (batch.get("t")[:, 1:] - batch.get("t")[:, :-1] == 1).all()  # consecutive records of stream 0
+    replay.add_chunk(1, torch.cat([_records(step, 1) for step in range(4)]))
+    assert replay.ready(every=True)
+    replay.close()
