@@ -432,9 +432,9 @@ class Ingest:
     collected meanwhile.
     """
 
-    def __init__(self, pool: WorkerPool, add: Callable[[Chunk], None], alive: Callable[[], bool] | None = None,
+    def __init__(self, pool: WorkerPool, replay, alive: Callable[[], bool] | None = None,
                  max_pending: int | None = None, poll: float = 0.2):
-        self.pool, self.add, self.alive, self.poll = pool, add, alive, poll
+        self.pool, self.replay, self.alive, self.poll = pool, replay, alive, poll
         self.max_pending = max_pending
         self._taken = threading.Event()
         self.add_seconds = 0.0  # this thread's time adding chunks to replay (reading: pool.read_seconds)
@@ -460,7 +460,7 @@ class Ingest:
                     continue
                 for chunk in self.pool.receive(timeout=self.poll):
                     start = time.perf_counter()
-                    self.add(chunk)
+                    self.replay.add_chunk(chunk.stream, chunk.records)
                     self.add_seconds += time.perf_counter() - start
                     with self._lock:
                         self._steps += chunk.records.shape[0]

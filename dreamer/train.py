@@ -134,8 +134,8 @@ def train(cfg: DictConfig) -> None:
         except CollectionError as error:
             raise RunError(str(error)) from None
         # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
-        ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records),
-                        alive=lambda: inference.alive, max_pending=cfg.run.envs * cfg.run.chunk).start()
+        ingest = Ingest(pool, replay, alive=lambda: inference.alive,
+                        max_pending=cfg.run.envs * cfg.run.chunk).start()
     should_sync = Every(cfg.run.sync_every, learner.updates)
 
     def gather() -> tuple[int, list]:

@@ -111,8 +111,8 @@ class Pipeline:
         self.pool = WorkerPool(self.env_cfg, 0, self.layout, self.size, self.inference.clients, args.chunk,
                                "emulated", on_restart=restarted).start()
         if args.ingest == "thread":
-            self.ingest = Ingest(self.pool, lambda chunk: self.replay.add_chunk(chunk.stream, chunk.records),
-                                 alive=lambda: self.inference.alive, max_pending=args.envs * args.chunk).start()
+            self.ingest = Ingest(self.pool, self.replay, alive=lambda: self.inference.alive,
+                                 max_pending=args.envs * args.chunk).start()
 
     def gather(self, timeout: float) -> int:
         if self.ingest is not None:  # the chunks go to replay in the ingest thread, as in training

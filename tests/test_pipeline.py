@@ -186,13 +186,18 @@ def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoi
     assert list((Path(smoke_cfg.run.dir) / "checkpoints").glob("ckpt-*.pt"))
 
 
+def _unbuildable_pool(layout: EnvLayout, inference: Inference) -> WorkerPool:
+    """One worker whose env cannot be created: it gives up after 2 attempts."""
+    broken = {**ENV, "task": "NoSuchTask-v0"}
+    return WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
+
+
 def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
     from dreamer.collect import CollectionError
 
     layout, agent = _agent()
     inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
-    broken = {**ENV, "task": "NoSuchTask-v0"}
-    pool = WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
+    pool = _unbuildable_pool(layout, inference)
     try:
         deadline = time.monotonic() + 120
         with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row, last with \w+"):
@@ -212,8 +217,7 @@ def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_colle
     replay = Replay(2, 4000, 2, 4, torch.device("cpu"))
     inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
     pool = WorkerPool(ENV, 0, layout, SIZE, inference.clients, chunk=8, suite="gym").start()
-    ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records),
-                    alive=lambda: inference.alive).start()
+    ingest = Ingest(pool, replay, alive=lambda: inference.alive).start()
     taken, deadline = 0, time.monotonic() + 120
     try:
         while taken < 24:
@@ -226,16 +230,15 @@ def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_colle
         assert taken == replay.added == len(replay) and taken % 8 == 0
         # Backpressure: with 8 steps not taken, the thread reads no more (one read takes at most a chunk
         # per worker), however far ahead the worker could run meanwhile.
-        ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records), max_pending=8).start()
+        ingest = Ingest(pool, replay, max_pending=8).start()
         time.sleep(3.0)
         assert 8 <= ingest.take(timeout=0)[0] <= 8 + 8
         assert ingest.take(timeout=60)[0] > 0  # taking lets it go on
     finally:
         ingest.close()
         pool.close()
-    broken = {**ENV, "task": "NoSuchTask-v0"}
-    pool = WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
-    ingest = Ingest(pool, lambda chunk: replay.add_chunk(chunk.stream, chunk.records)).start()
+    pool = _unbuildable_pool(layout, inference)
+    ingest = Ingest(pool, replay).start()
     try:
         deadline = time.monotonic() + 120
         with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row"):
