@@ -20,6 +20,7 @@ record the trainer received, and the new worker starts a fresh episode.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import signal
@@ -450,6 +451,13 @@ class Ingest:
         return self
 
     def _loop(self) -> None:
+        # A CUDA stream of this thread's own, with no work on it: a library's wait for "the current
+        # stream" here then never waits for the learner's updates queued on the trainer's stream.
+        own = torch.cuda.stream(torch.cuda.Stream()) if torch.cuda.is_initialized() else contextlib.nullcontext()
+        with own:
+            self._receive_loop()
+
+    def _receive_loop(self) -> None:
         try:
             while not self._stop.is_set():
                 if self.alive is not None and not self.alive():

@@ -10,12 +10,23 @@ A sample carries the stored context of each sequence's first record only (the le
 recurrence there and reads no other): each record's context is 5,120 floats at size50m, nearly two thirds
 of a Minecraft record's bytes. In the batch, `state` and `belief` are that first context seen along the
 whole sequence (an expanded view, no copies).
+
+Ordering of samples and write-backs. The records of a sample are prepared ahead (torchrl's prefetch
+thread) without their context; the context of each sequence's first record is read when `sample()`
+hands the batch out, after every write-back submitted before that batch was prepared has been
+applied. A write-back touches contexts only, so it never waits for a prepared sample, and a sample's
+preparation never waits for a write-back: only the short context read does. torchrl's
+`submit_update_if_present` orders both ways (an update waits for the samples already queued, a
+queued sample for the updates before it), which chained the host work of the two threads: measured
+on the GPU machine at the Minecraft shapes, an update with replay took 246 ms against 130 ms on a
+resident batch (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from tensordict import TensorDictBase
@@ -111,6 +122,22 @@ def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     return index.to(device)
 
 
+def _on_host(records: TensorDictBase) -> TensorDictBase:
+    """A shallow copy of `records` whose device is the host, as the storage's is.
+
+    A record whose device differs from the storage's is moved with tensordict's `.to("cpu")` on the
+    way in, and that move waits for the calling thread's CUDA stream (the default stream, where the
+    learner's updates queue): each insert then waited for the learner's queued update while holding
+    the replay's locks, so sampling and write-backs waited too. Host tensors (a worker's chunk) are
+    relabelled without that wait; device tensors are copied, and that copy does wait for them.
+    """
+    if records.device is not None and records.device.type == "cpu":
+        return records.clone(False)
+    if all(leaf.device.type == "cpu" for leaf in records.values(include_nested=True, leaves_only=True)):
+        return records.to("cpu", non_blocking=True)  # nothing to copy: no wait
+    return records.to("cpu")
+
+
 class Replay:
     """The replay ensemble: `add` a record per env, `sample` [batch, length + 1], `write_back` contexts."""
 
@@ -122,10 +149,11 @@ class Replay:
         batch_length: int,
         device: torch.device,
         seed: int = 0,
-        prefetch: int = 1,
+        prefetch: int | None = None,
         stock: bool = False,
     ):
-        """stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
+        """prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
+        stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
         context included: the reference that scripts/bench_replay.py measures ours against."""
         self.streams = streams
         self.sequence = batch_length + 1
@@ -157,8 +185,12 @@ class Replay:
             batch_size=batch_size * self.sequence,
             generator=self.generator,
             pin_memory=self.device.type == "cuda",
-            prefetch=prefetch if self.device.type == "cuda" else None,
+            prefetch=(1 if self.device.type == "cuda" else None) if prefetch is None else prefetch or None,
         )
+        # Write-backs are applied in this thread, in submission order (see the module's docstring).
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-write-back")
+        self._writes: deque[Future] = deque()  # submitted, maybe not yet applied
+        self._visible_to_next: list[Future] = []  # the write-backs the prepared sample must observe
         self._stream_ids = torch.arange(streams)
         # Copies between host and learner on streams of their own (see `_upload` and `write_back`).
         self._uploads: dict[torch.device, torch.cuda.Stream] = {}
@@ -169,14 +201,14 @@ class Replay:
 
     def add(self, records: TensorDictBase) -> None:
         """Appends one record per stream (records has batch size [streams])."""
-        records = records.clone(False)
+        records = _on_host(records)
         records.set(STREAM_KEY, self._stream_ids)
         self.buffer.extend(records)
         self.added += records.shape[0]
 
     def add_chunk(self, stream: int, records: TensorDictBase) -> None:
         """Appends consecutive records [k] of one env stream (a worker's chunk) to that stream's member."""
-        records = records.clone(False)
+        records = _on_host(records)
         records.set(STREAM_KEY, torch.full((records.shape[0],), stream, dtype=torch.long))
         # The ensemble's own extend routes with one mask per member; a chunk belongs to one member.
         with self.buffer._replay_lock, self.buffer._write_lock:
@@ -217,9 +249,16 @@ class Replay:
 
     def sample(self) -> tuple[TensorDictBase, TensorDictBase]:
         """A batch [batch_size, batch_length + 1] on the learner device, and its host-side handles."""
-        data = self.buffer.sample().reshape(self.batch_size, self.sequence)
+        prepared = bool(self.buffer._prefetch and len(self.buffer._prefetch_queue))
+        # A batch prepared ahead observes the write-backs submitted before its preparation began; one
+        # sampled now observes all of them.
+        observe = self._visible_to_next if prepared else self._pending_writes()
+        data = self.buffer.sample().reshape(self.batch_size, self.sequence)  # prepares the next one
+        self._visible_to_next = self._pending_writes()
         handles = data.select(*HANDLE_KEYS)
         batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
+        for write in observe:
+            write.result()
         if self.stock:
             return self._upload(batch)[0], handles
         state, belief, lost = self._first_contexts(handles)
@@ -292,11 +331,12 @@ class Replay:
                    wait: bool | None = None) -> Future:
         """Submits the refreshed posterior of records [:, :-1] as the context of records [:, 1:].
 
-        Overlapping slices address some slots more than once: the last write wins. The copy to the host
-        is enqueued now, after the work that produced the values (on a copy stream that waits for the
-        producing stream); torchrl's update thread applies it once it has landed (an event), into slots
-        whose generation is unchanged since sampling. `wait` (default: on a CPU learner only)
-        returns after it has been applied.
+        Overlapping slices address some slots more than once: the last write wins. From a CUDA learner
+        the copy to the host is enqueued now, after the work that produced the values (on a copy stream
+        that waits for the producing stream), behind a CUDA event; the write-back thread waits for that
+        event, never for the learner's later work, and applies the patch with the ensemble's
+        `update_if_present` (grouped by member), into slots whose generation is unchanged since
+        sampling. `wait` (default: on a CPU learner only) returns after it has been applied.
         """
         index = handles.get("index")[:, 1:].reshape(-1)
         generation = handles.get("index_generation")[:, 1:].reshape(-1)
@@ -307,29 +347,45 @@ class Replay:
             "state": state.detach().reshape(-1, state.shape[-1])[on_device].float(),
             "belief": belief.detach().reshape(-1, belief.shape[-1])[on_device].float(),
         }
+        landed = None
         if state.is_cuda:
             # The patch is gathered on the producing stream (it reads the update's outputs, which the
-            # next update overwrites); its copies to the host run on a stream of their own, so the
-            # learner's next update does not queue behind them (168 MB at the Minecraft shapes).
+            # next update overwrites); its copies to pinned host memory run on a stream of their own, so
+            # the learner's next update does not queue behind them (168 MB at the Minecraft shapes).
             producer = torch.cuda.current_stream(state.device)
             download = self._copy_stream(self._downloads, state.device)
             download.wait_stream(producer)
-            for value in patch.values():
-                value.record_stream(download)
             with torch.cuda.stream(download):
-                future = self.buffer.submit_update_if_present(
-                    index=index[keep], generation=generation[keep], patch=patch)
-        else:
-            future = self.buffer.submit_update_if_present(index=index[keep], generation=generation[keep],
-                                                          patch=patch)
+                for value in patch.values():
+                    value.record_stream(download)
+                patch = {key: value.to("cpu", non_blocking=True) for key, value in patch.items()}
+                landed = torch.cuda.Event()
+                landed.record(download)
+        index, generation = index[keep], generation[keep]
+
+        def apply():
+            if landed is not None:
+                landed.synchronize()
+            return self.buffer.update_if_present(index=index, generation=generation, patch=patch)
+
+        future = self._writer.submit(apply)
+        self._pending_writes()  # raises the error of a failed earlier write-back, here
+        self._writes.append(future)
         if wait or (wait is None and self.device.type == "cpu"):
             # A CPU learner gains nothing from overlapping the update: the thread would compete with
             # the next learner step for the same cores (measured: slower on 2 cores).
             future.result()
         return future
 
+    def _pending_writes(self) -> list[Future]:
+        """The write-backs not yet applied; a failed one raises its error."""
+        while self._writes and self._writes[0].done():
+            self._writes.popleft().result()
+        return list(self._writes)
+
     def __len__(self) -> int:
         return sum(len(member) for member in self.buffer._rbs)
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         self.buffer.shutdown()

@@ -16,7 +16,8 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
             host call, write_back = submission); with --ingest thread (the default, as in training) the
             chunks are read and added in the ingest thread, whose time is ingest_fraction.
   inference (e) the server's batched pass during the train phase: p50 / p99 ms over its recent
-            batches (host to device and back), mean batch size.
+            batches (host to device and back), mean batch size; inference_alone: the same over the
+            collect phase, the learner idle.
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
             same update on a batch resident on the device, in blocks of back-to-back updates (the steady
             state of training); collection keeps running in both.
@@ -31,8 +32,10 @@ import argparse
 import faulthandler
 import json
 import logging
+import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,7 +87,7 @@ class Pipeline:
             self.agent = build_agent(self.layout, self.size, LossSettings())
         self.learner = Learner(self.agent, OptimizerSettings(), self.device, compile=self.cuda and not args.no_compile,
                                cudagraph=self.cuda, bf16=self.cuda)
-        self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device)
+        self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device, prefetch=args.prefetch)
         self.steps = 0
         self.host = dict.fromkeys(HOST_PARTS, 0.0)  # the trainer thread's host seconds, by part
         self.ingest: Ingest | None = None
@@ -235,20 +238,28 @@ def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
     per-update time of a block."""
     resident = p.replay.sample()[0][:, :-1].to(p.device)
     with_replay, alone = [], []
+    host = dict.fromkeys(("sample", "update", "write_back"), 0.0)  # trainer thread, blocks with replay
     for index in range(2 * max(1, updates // block)):
         target = with_replay if index % 2 == 0 else alone
         p.gather(0.0)  # collection keeps running
         if p.cuda:
             torch.cuda.synchronize()
+        before = dict(p.host)
         start = time.perf_counter()
         for _ in range(block):
             p.update(None if target is with_replay else resident)
         if p.cuda:
             torch.cuda.synchronize()
         target.append((time.perf_counter() - start) / block)
+        if target is with_replay:
+            for part in host:
+                host[part] += p.host[part] - before[part]
     a, b = statistics.median(with_replay), statistics.median(alone)
+    per_update = block * len(with_replay)
     return {"phase": "overhead", "ms_with_replay": round(a * 1e3, 2), "ms_resident": round(b * 1e3, 2),
-            "overhead": round(a / b - 1, 4), "updates": block * (len(with_replay) + len(alone))}
+            "overhead": round(a / b - 1, 4), "updates": block * (len(with_replay) + len(alone)),
+            # the trainer thread's host ms per update with replay: sample() includes waiting for the prefetch
+            "host_ms_per_update": {part: round(value / per_update * 1e3, 2) for part, value in host.items()}}
 
 
 def phase_inference(p: Pipeline) -> dict:
@@ -256,6 +267,18 @@ def phase_inference(p: Pipeline) -> dict:
     return {"phase": "inference", "p50_ms": round(_percentile(forward, 0.5), 3),
             "p99_ms": round(_percentile(forward, 0.99), 3), "batches": len(forward),
             "mean_batch": round(stats["avg_batch_size"], 1), "device": str(p.inference.device)}
+
+
+def _py_spy(path: str) -> subprocess.Popen:
+    """py-spy recording this process (all threads, idle ones included) into `path`, as collapsed stacks."""
+    command = ["py-spy", "record", "--pid", str(os.getpid()), "--threads", "--idle", "--rate", "100",
+               "--format", "raw", "--output", path]
+    try:
+        spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        sys.exit("--py-spy needs the py-spy command on PATH: pip install py-spy")
+    time.sleep(2.0)  # attached before the phase starts
+    return spy
 
 
 def main() -> None:
@@ -283,6 +306,9 @@ def main() -> None:
                         help="the trainer process's torch intra-op threads (0: torch's default, one per core; "
                              "run.threads); env workers use one each")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
+    parser.add_argument("--prefetch", type=int, help="replay samples prepared ahead (default: 1 on CUDA, 0 on CPU)")
+    parser.add_argument("--py-spy", metavar="FILE",
+                        help="record every thread's stacks during phase (d) with py-spy (collapsed stacks)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
     parser.add_argument("--overhead-updates", type=int, default=30)
     parser.add_argument("--no-compile", action="store_true")
@@ -327,13 +353,22 @@ def main() -> None:
     try:
         a = watched(phase_collect, p, args.seconds)
         emit(a)
+        # The passes of the collect phase: the server alone on its device (the learner idle).
+        emit({**phase_inference(p), "phase": "inference_alone", "service": "process" if p.own_process else "thread"})
         b = watched(phase_train, p, args.seconds)
         emit(b)
         # The passes of the train phase: the server beside a learner that trains at the ratio.
         emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
-        d = watched(phase_overhead, p, args.overhead_updates)
+        spy = _py_spy(args.py_spy) if args.py_spy else None
+        try:
+            d = watched(phase_overhead, p, args.overhead_updates)
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(timeout=60)
         emit(d)
-        emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / a["env_steps_per_s"], 4),
+        collected = a["env_steps_per_s"]  # 0 when the phase is shorter than a chunk's steps
+        emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / collected, 4) if collected else None,
               "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
     finally:
         p.close()

@@ -331,3 +331,65 @@ def test_training_can_start_before_every_stream_has_a_sequence():
     replay.add_chunk(1, torch.cat([_records(step, 1) for step in range(4)]))
     assert replay.ready(every=True)
     replay.close()
+
+
+def test_inserts_never_wait_for_a_cuda_stream(monkeypatch):
+    """Records arrive with no device (a worker's chunk, unpickled). Moving such a tensordict to the
+    storage's host device through tensordict's `.to("cpu")` waits for the calling thread's CUDA stream,
+    where a GPU learner's updates queue; an insert holds the replay's locks meanwhile. The wait is
+    tensordict's `_sync_all`, counted here (on a CPU-only machine it returns at once, but is called)."""
+    from tensordict.base import TensorDictBase
+
+    calls = []
+    original = TensorDictBase._sync_all
+    monkeypatch.setattr(TensorDictBase, "_sync_all", lambda self: calls.append(1) or original(self))
+    replay = _replay(streams=2, size=40)
+    for step in range(0, 8, 4):
+        for stream in range(2):
+            replay.add_chunk(stream, _chunk(stream, range(step, step + 4)))
+    replay.add(_records(8, 2))
+    assert calls == []
+    assert _stored(replay, 1).get("t").tolist() == [1000 + s for s in range(8)] + [1008]
+
+
+def test_a_sample_prepared_after_a_write_back_observes_it_and_one_prepared_before_does_not_wait():
+    """With a sample prepared ahead: the batch handed out next was prepared before the write-back was
+    submitted, so it is handed out while that write-back is still held back (no chained waits); the
+    batch after it was prepared after the submission and is handed out only once it is applied.
+    The write-back thread is held at a gate to make the order visible."""
+    import threading
+
+    replay = Replay(2, 40, 6, 3, torch.device("cpu"), seed=0, prefetch=1)
+    for step in range(12):
+        replay.add(_records(step, 2))
+    gate, original = threading.Event(), replay.buffer.update_if_present
+
+    def held(**kwargs):
+        assert gate.wait(30)
+        return original(**kwargs)
+
+    replay.buffer.update_if_present = held
+    batch, handles = replay.sample()  # hands out one, prepares the next
+    source = batch.get("t")[:, :-1].float().unsqueeze(-1).expand(6, 3, 3).contiguous()
+    write = replay.write_back(handles, source, source, wait=False)
+    handed = []
+    second = threading.Thread(target=lambda: handed.append(replay.sample()))
+    second.start()
+    second.join(30)
+    assert handed and not write.done()  # prepared before the submission: not held back by it
+    third = threading.Thread(target=lambda: handed.append(replay.sample()))
+    third.start()
+    third.join(1.0)
+    assert third.is_alive()  # held until the write-back is applied (a correct order never passes it)
+    gate.set()
+    third.join(30)
+    assert len(handed) == 2 and write.done() and write.result().updated_count > 0
+    # The third batch's contexts were read after the write-back: each first record it patched holds t - 1.
+    patched = set(zip(handles.get(("index", "buffer_ids"))[:, 1:].reshape(-1).tolist(),
+                      handles.get(("index", "index"))[:, 1:].reshape(-1).tolist()))
+    batch, handles = handed[1]
+    firsts = zip(handles.get(("index", "buffer_ids"))[:, 0].tolist(), handles.get(("index", "index"))[:, 0].tolist(),
+                 batch.get("t")[:, 0].tolist(), batch.get("state")[:, 0, 0].tolist())
+    seen = [(value, t) for member, slot, t, value in firsts if (member, slot) in patched]
+    assert seen and all(value == float(t - 1) for value, t in seen)
+    replay.close()
