@@ -11,8 +11,12 @@ recurrence there and reads no other): each record's context is 5,120 floats at s
 of a Minecraft record's bytes. In the batch, `state` and `belief` are that first context seen along the
 whole sequence (an expanded view, no copies).
 
-Ordering of samples and write-backs. The records of a sample are prepared ahead (torchrl's prefetch
-thread) without their context; the context of each sequence's first record is read when `sample()`
+All streams' records live in one table [streams, capacity] (each member's storage is a row of it), so
+a batch is one row gather per key. For a CUDA learner it is gathered straight into pinned staging
+buffers that are reused once their copy to the device has ended.
+
+Ordering of samples and write-backs. The records of a sample are prepared ahead (in the replay's
+sampling thread) without their context; the context of each sequence's first record is read when `sample()`
 hands the batch out, after every write-back submitted before that batch was prepared has been
 applied. A write-back touches contexts only, so it never waits for a prepared sample, and a sample's
 preparation never waits for a write-back: only the short context read does. torchrl's
@@ -25,11 +29,12 @@ resident batch (BENCHMARKS.md).
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torchrl.data import (
     LazyTensorStorage,
     ReplayBufferEnsemble,
@@ -68,8 +73,37 @@ class _StreamWindows(SliceSampler):
         return (index.reshape(-1),), {}
 
 
+class _Table:
+    """Every stream's records in one table [streams, capacity]: each stream's storage is a row of it, so
+    a batch drawn across streams is one gather per key (torch releases the interpreter lock while it
+    runs), not one tensordict indexing per stream and a stack of their results."""
+
+    def __init__(self, streams: int, capacity: int):
+        self.streams, self.capacity = streams, capacity
+        self.records: TensorDictBase | None = None
+        self._lock = threading.Lock()
+
+    def row(self, stream: int, example: TensorDictBase) -> TensorDictBase:
+        with self._lock:
+            if self.records is None:  # laid out like the first records any stream receives
+                record = example[0] if example.batch_dims else example
+                self.records = torch.empty_like(record.expand(self.streams, self.capacity))
+            return self.records[stream]
+
+
 class _StreamStorage(LazyTensorStorage):
-    """One env stream's records; reads for sampling leave out the latent context (see the module doc)."""
+    """One env stream's records (a row of the replay's table); reads for sampling leave out the latent
+    context (see the module doc)."""
+
+    def __init__(self, max_size: int, table: _Table | None = None, stream: int = 0):
+        super().__init__(max_size)
+        self._table, self._stream = table, stream
+
+    def _init_standard(self, data) -> None:
+        if self._table is None:
+            return super()._init_standard(data)
+        self._storage = self._table.row(self._stream, data)
+        self.initialized = True
 
     def get(self, index):
         if not self.initialized:
@@ -165,16 +199,17 @@ class Replay:
                 f"replay.size={size} split over {streams} env streams holds {self.capacity} steps per stream, "
                 f"less than one sequence of batch_length + 1 = {self.sequence}"
             )
+        self.table = _Table(streams, self.capacity)
         members = [
             TensorDictReplayBuffer(
-                storage=(LazyTensorStorage if stock else _StreamStorage)(self.capacity),
+                storage=LazyTensorStorage(self.capacity) if stock else _StreamStorage(self.capacity, self.table, stream),
                 # One trajectory per stream: slices run through episode ends but never across the
                 # write cursor of the circular storage. No window start is marked as an episode start.
                 sampler=(SliceSampler if stock else _StreamWindows)(
                     slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True, init_key=None),
                 writer=TensorDictRoundRobinWriter(track_generations=True),
             )
-            for _ in range(streams)
+            for stream in range(streams)
         ]
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = ReplayBufferEnsemble(
@@ -185,12 +220,18 @@ class Replay:
             batch_size=batch_size * self.sequence,
             generator=self.generator,
             pin_memory=self.device.type == "cuda",
-            prefetch=(1 if self.device.type == "cuda" else None) if prefetch is None else prefetch or None,
+            prefetch=(prefetch or None) if stock else None,  # ours prepares its own (below)
         )
+        self.prefetch = (1 if self.device.type == "cuda" else 0) if prefetch is None else prefetch
+        self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-sample") if self.prefetch else None
+        self._ahead: deque[tuple[Future, list[Future]]] = deque()  # prepared batches, with what each observes
+        # CUDA learner: pinned staging buffers the batches are gathered into, reused in turn (see _staging).
+        self._ring = [(torch.cuda.Event(), {}) for _ in range(self.prefetch + 2)] if self.device.type == "cuda" else []
+        self._ring_next = 0
         # Write-backs are applied in this thread, in submission order (see the module's docstring).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-write-back")
         self._writes: deque[Future] = deque()  # submitted, maybe not yet applied
-        self._visible_to_next: list[Future] = []  # the write-backs the prepared sample must observe
+        self._visible_to_next: list[Future] = []  # stock: the write-backs torchrl's prepared sample observes
         self._stream_ids = torch.arange(streams)
         # Copies between host and learner on streams of their own (see `_upload` and `write_back`).
         self._uploads: dict[torch.device, torch.cuda.Stream] = {}
@@ -249,28 +290,96 @@ class Replay:
 
     def sample(self) -> tuple[TensorDictBase, TensorDictBase]:
         """A batch [batch_size, batch_length + 1] on the learner device, and its host-side handles."""
-        prepared = bool(self.buffer._prefetch and len(self.buffer._prefetch_queue))
-        # A batch prepared ahead observes the write-backs submitted before its preparation began; one
-        # sampled now observes all of them.
-        observe = self._visible_to_next if prepared else self._pending_writes()
-        data = self.buffer.sample().reshape(self.batch_size, self.sequence)  # prepares the next one
-        self._visible_to_next = self._pending_writes()
-        handles = data.select(*HANDLE_KEYS)
-        batch = data.exclude(*HANDLE_KEYS, STREAM_KEY)
+        if self.stock:
+            return self._stock_sample()
+        if self._ahead:
+            prepared, observe = self._ahead.popleft()
+            data, staging = prepared.result()
+        else:
+            observe, (data, staging) = self._pending_writes(), self._prepare()
+        while len(self._ahead) < self.prefetch:
+            # A batch prepared ahead observes the write-backs submitted before its preparation began.
+            # (Its staging buffer is not the one of the batch in hand: the ring holds prefetch + 2.)
+            self._ahead.append((self._sampler.submit(self._prepare), self._pending_writes()))
         for write in observe:
             write.result()
-        if self.stock:
-            return self._upload(batch)[0], handles
+        handles = data.select(*HANDLE_KEYS)
+        batch = data.exclude(*HANDLE_KEYS)
         state, belief, lost = self._first_contexts(handles)
         if lost.any():  # start those sequences afresh, as at an episode start
             is_init = batch.get("is_init").clone()
             is_init[:, 0] |= lost.reshape(-1, *[1] * (is_init.ndim - 2))
             batch.set("is_init", is_init)
         batch, state, belief = self._upload(batch, state, belief)
+        if staging is not None:  # the staging buffer is free again once the copies have ended
+            staging[0].record(self._copy_stream(self._uploads, self.device))
         shape = (self.batch_size, self.sequence)
         for key, first in (("state", state), ("belief", belief)):
             batch.set(key, first.unsqueeze(1).expand(*shape, first.shape[-1]))
         return batch, handles
+
+    def _prepare(self) -> tuple[TensorDictBase, tuple | None]:
+        """Draws a batch and gathers its records without their context, with its handles; for a CUDA
+        learner into a pinned staging buffer, returned with it. Each stream is drawn in proportion to its windows of `sequence` records (a stream
+        without one never), and a window uniformly among them; windows never cross the write cursor."""
+        members = self.buffer._rbs
+        with self.buffer._replay_lock:  # inserts and write-backs hold it too: no torn record
+            lengths = torch.tensor([len(member) for member in members])
+            newest = torch.tensor([member.storage._last_cursor_index if len(member) else 0 for member in members])
+            windows = (lengths - self.sequence + 1).clamp(min=0)
+            if not bool(windows.any()):
+                raise RuntimeError(f"no replay stream holds a sequence of {self.sequence} records yet")
+            drawn = torch.multinomial(windows.double(), self.batch_size, replacement=True, generator=self.generator)
+            starts = (torch.rand(self.batch_size, dtype=torch.float64, generator=self.generator)
+                      * windows[drawn]).long().clamp(max=windows[drawn] - 1)
+            oldest = torch.where(lengths == self.capacity, (newest + 1) % self.capacity, 0)
+            slots = (oldest[drawn, None] + starts[:, None] + torch.arange(self.sequence)) % self.capacity
+            rows = (drawn[:, None] * self.capacity + slots).reshape(-1)
+            buffer = self._staging() if self.device.type == "cuda" else None
+            shape = slots.shape
+
+            def gather(key, stored: torch.Tensor) -> torch.Tensor:  # one row gather per key
+                flat = stored.flatten(0, 1)
+                if buffer is None:
+                    return flat.index_select(0, rows).unflatten(0, shape)
+                out = buffer[1].setdefault(key, torch.empty((rows.numel(), *flat.shape[1:]), dtype=flat.dtype,
+                                                            pin_memory=True))
+                return torch.index_select(flat, 0, rows, out=out).unflatten(0, shape)
+
+            stored = self.table.records.exclude(*CONTEXT_KEYS, STREAM_KEY)
+            records = TensorDict({key: gather(key, stored.get(key)) for key in stored.keys(True, True)}, shape)
+            generations = self._generations(drawn, slots)
+        records.set("index", TensorDict({"buffer_ids": drawn[:, None].expand_as(slots), "index": slots}, shape))
+        records.set("index_generation", generations)
+        return records, buffer
+
+    def _staging(self) -> tuple[torch.cuda.Event, dict]:
+        """The next pinned staging buffer of the ring, once the copy of its last batch to the learner
+        has ended. Gathered straight into memory already pinned (and already paged in), a batch needs
+        no second copy to pin it."""
+        event, buffer = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % len(self._ring)
+        event.synchronize()  # an event never recorded has nothing to wait for
+        return event, buffer
+
+    def _generations(self, members: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The current generation of each (member, slot) pair: members [n], slots [n, ...]."""
+        generations = torch.empty(slots.shape, dtype=torch.long)
+        for member in members.unique().tolist():
+            rows = members == member
+            generations[rows] = self.buffer._rbs[member].writer.generations_of(slots[rows])
+        return generations
+
+    def _stock_sample(self) -> tuple[TensorDictBase, TensorDictBase]:
+        """torchrl's sampling end to end (its prefetch thread, its storage's gathers), every record's
+        context included: the reference of scripts/bench_replay.py."""
+        prepared = bool(self.buffer._prefetch and len(self.buffer._prefetch_queue))
+        observe = self._visible_to_next if prepared else self._pending_writes()
+        data = self.buffer.sample().reshape(self.batch_size, self.sequence)  # prepares the next one
+        self._visible_to_next = self._pending_writes()
+        for write in observe:
+            write.result()
+        return self._upload(data.exclude(*HANDLE_KEYS, STREAM_KEY))[0], data.select(*HANDLE_KEYS)
 
     def _upload(self, *host: TensorDictBase | torch.Tensor) -> tuple:
         """The sample's pieces (pinned) on the learner device, copied on a stream of their own.
@@ -301,28 +410,17 @@ class Replay:
         """The stored (state, belief) of each sampled sequence's first record, read now, and a mask of
         the sequences whose first slot was rewritten since sampling (their context is zero).
 
-        Each read holds its stream's lock, which that stream's inserts and write-backs take too, and
-        checks the slot's generation against the sampled one: a context is never torn, nor another
-        record's.
+        The read holds the replay's lock, which inserts and write-backs take too, and checks each slot's
+        generation against the sampled one: a context is never torn, nor another record's.
         """
-        members = handles.get(("index", "buffer_ids"))[:, 0].tolist()
+        members = handles.get(("index", "buffer_ids"))[:, 0]
         slots = handles.get(("index", "index"))[:, 0]
-        generations = handles.get("index_generation")[:, 0]
-        states, beliefs, lost = [], [], torch.zeros(len(members), dtype=torch.bool)
-        for row, member_id in enumerate(members):
-            member = self.buffer._rbs[member_id]
-            slot = slots[row : row + 1]
-            stored = member.storage._storage
-            with member._replay_lock:
-                if bool(member.writer.generations_of(slot)[0] == generations[row]):
-                    states.append(stored.get("state")[slot[0]].clone())
-                    beliefs.append(stored.get("belief")[slot[0]].clone())
-                    continue
-            lost[row] = True
-            states.append(torch.zeros_like(stored.get("state")[0]))
-            beliefs.append(torch.zeros_like(stored.get("belief")[0]))
+        with self.buffer._replay_lock:
+            lost = self._generations(members, slots) != handles.get("index_generation")[:, 0]
+            state = self.table.records.get("state")[members, slots]
+            belief = self.table.records.get("belief")[members, slots]
+        state[lost], belief[lost] = 0.0, 0.0
         self.lost_contexts += int(lost.sum())
-        state, belief = torch.stack(states), torch.stack(beliefs)
         if self.device.type == "cuda":
             state, belief = state.pin_memory(), belief.pin_memory()
         return state, belief, lost
@@ -387,5 +485,7 @@ class Replay:
         return sum(len(member) for member in self.buffer._rbs)
 
     def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.buffer.shutdown()

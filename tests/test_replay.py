@@ -393,3 +393,16 @@ def test_a_sample_prepared_after_a_write_back_observes_it_and_one_prepared_befor
     seen = [(value, t) for member, slot, t, value in firsts if (member, slot) in patched]
     assert seen and all(value == float(t - 1) for value, t in seen)
     replay.close()
+
+
+def test_every_window_of_a_stream_can_be_drawn_and_none_past_its_newest_record():
+    replay = _replay(streams=2, size=40, batch_size=64, batch_length=3)
+    for step in range(10):  # stream 0: 10 records, 7 windows of 4; stream 1 stays shorter than one window
+        replay.add_chunk(0, _chunk(0, range(step, step + 1)))
+    replay.add_chunk(1, _chunk(1, range(2)))
+    starts = set()
+    for _ in range(5):
+        t = replay.sample()[0].get("t")
+        assert bool((t // 1000 == 0).all())  # the stream without a window is never drawn
+        starts.update(t[:, 0].tolist())
+    assert starts == set(range(7))
