@@ -323,6 +323,7 @@ class Replay:
         learner into a pinned staging buffer, returned with it. Each stream is drawn in proportion to its windows of `sequence` records (a stream
         without one never), and a window uniformly among them; windows never cross the write cursor."""
         members = self.buffer._rbs
+        buffer = self._staging() if self.device.type == "cuda" else None
         with self.buffer._replay_lock:  # inserts and write-backs hold it too: no torn record
             lengths = torch.tensor([len(member) for member in members])
             newest = torch.tensor([member.storage._last_cursor_index if len(member) else 0 for member in members])
@@ -335,7 +336,6 @@ class Replay:
             oldest = torch.where(lengths == self.capacity, (newest + 1) % self.capacity, 0)
             slots = (oldest[drawn, None] + starts[:, None] + torch.arange(self.sequence)) % self.capacity
             rows = (drawn[:, None] * self.capacity + slots).reshape(-1)
-            buffer = self._staging() if self.device.type == "cuda" else None
             shape = slots.shape
 
             def gather(key, stored: torch.Tensor) -> torch.Tensor:  # one row gather per key

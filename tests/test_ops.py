@@ -106,10 +106,11 @@ def test_pipeline_benchmark_runs_on_cpu(workdir):
     assert bench.returncode == 0, bench.stderr[-2000:]
     rows = {r["phase"]: r for r in map(json.loads, (workdir / "pipeline.jsonl").read_text().splitlines())}
     assert rows["warmup"]["threads"] == 1  # --threads reached torch
-    assert list(rows) == ["warmup", "collect", "train", "inference", "overhead", "ratios"]
+    assert list(rows) == ["warmup", "collect", "inference_alone", "train", "inference", "overhead", "ratios"]
     assert rows["collect"]["env_steps_per_s"] > 0 and rows["train"]["updates"] > 0
     assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
     assert rows["ratios"]["worker_restarts"] == 0
+    assert set(rows["overhead"]["host_ms_per_update"]) == {"sample", "update", "write_back"}
 
 
 def test_replay_benchmark_runs_on_cpu(workdir):
