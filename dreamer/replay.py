@@ -202,7 +202,8 @@ class Replay:
         self.table = _Table(streams, self.capacity)
         members = [
             TensorDictReplayBuffer(
-                storage=LazyTensorStorage(self.capacity) if stock else _StreamStorage(self.capacity, self.table, stream),
+                storage=(LazyTensorStorage(self.capacity) if stock
+                         else _StreamStorage(self.capacity, self.table, stream)),
                 # One trajectory per stream: slices run through episode ends but never across the
                 # write cursor of the circular storage. No window start is marked as an episode start.
                 sampler=(SliceSampler if stock else _StreamWindows)(
@@ -223,7 +224,8 @@ class Replay:
             prefetch=(prefetch or None) if stock else None,  # ours prepares its own (below)
         )
         self.prefetch = (1 if self.device.type == "cuda" else 0) if prefetch is None else prefetch
-        self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-sample") if self.prefetch else None
+        self._sampler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-sample")
+                         if self.prefetch else None)
         self._ahead: deque[tuple[Future, list[Future]]] = deque()  # prepared batches, with what each observes
         # CUDA learner: pinned staging buffers the batches are gathered into, reused in turn (see _staging).
         self._ring = [(torch.cuda.Event(), {}) for _ in range(self.prefetch + 2)] if self.device.type == "cuda" else []
@@ -320,8 +322,9 @@ class Replay:
 
     def _prepare(self) -> tuple[TensorDictBase, tuple | None]:
         """Draws a batch and gathers its records without their context, with its handles; for a CUDA
-        learner into a pinned staging buffer, returned with it. Each stream is drawn in proportion to its windows of `sequence` records (a stream
-        without one never), and a window uniformly among them; windows never cross the write cursor."""
+        learner into a pinned staging buffer, returned with it. Each stream is drawn in proportion to
+        its windows of `sequence` records (a stream without one never), and a window uniformly among
+        them; windows never cross the write cursor."""
         members = self.buffer._rbs
         buffer = self._staging() if self.device.type == "cuda" else None
         with self.buffer._replay_lock:  # inserts and write-backs hold it too: no torn record

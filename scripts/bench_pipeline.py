@@ -368,7 +368,8 @@ def main() -> None:
                 spy.wait(timeout=60)
         emit(d)
         collected = a["env_steps_per_s"]  # 0 when the phase is shorter than a chunk's steps
-        emit({"phase": "ratios", "train_over_collect": round(b["env_steps_per_s"] / collected, 4) if collected else None,
+        ratio = round(b["env_steps_per_s"] / collected, 4) if collected else None
+        emit({"phase": "ratios", "train_over_collect": ratio,
               "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
     finally:
         p.close()

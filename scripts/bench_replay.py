@@ -8,8 +8,8 @@
 Both variants are `dreamer.replay.Replay` filled with the same records of the emulated Minecraft env's
 layout (random image content) and the model's latent sizes:
 
-  ours   the stream-window sampler and a storage whose sampling reads leave out the latent context (the
-         first record's context is read on its own).
+  ours   all streams in one table, a batch drawn by the replay and gathered with one row gather per key,
+         the latent context left out (each sequence's first context is read on its own).
   stock  torchrl's SliceSampler (window search over the stream column, a second gather of every window
          for its flags) and LazyTensorStorage (every record's context gathered).
 
