@@ -12,7 +12,7 @@ of a Minecraft record's bytes. In the batch, `state` and `belief` are that first
 whole sequence (an expanded view, no copies).
 
 All streams' records live in one table [streams, capacity] (each member's storage is a row of it), so
-a batch is one row gather per key. For a CUDA learner it is gathered straight into pinned staging
+a batch is one row gather per key; each stream keeps its own context column beside it. For a CUDA learner it is gathered straight into pinned staging
 buffers that are reused once their copy to the device has ended.
 
 Ordering of samples and write-backs. The records of a sample are prepared ahead (in the replay's
@@ -76,19 +76,33 @@ class _StreamWindows(SliceSampler):
 class _Table:
     """Every stream's records in one table [streams, capacity]: each stream's storage is a row of it, so
     a batch drawn across streams is one gather per key (torch releases the interpreter lock while it
-    runs), not one tensordict indexing per stream and a stack of their results."""
+    runs), not one tensordict indexing per stream and a stack of their results.
+
+    The latent context is not in the table: it is read one record per sequence, and each stream keeps
+    its own. At the Minecraft preset's sizes a context column of the whole replay would be one
+    allocation of tens of GB, which the host's memory accounting can refuse where the stream-sized
+    pieces are granted.
+    """
 
     def __init__(self, streams: int, capacity: int):
         self.streams, self.capacity = streams, capacity
-        self.records: TensorDictBase | None = None
+        self.records: TensorDictBase | None = None  # [streams, capacity], the context left out
+        self.contexts: dict[int, TensorDictBase] = {}  # stream -> [capacity]
         self._lock = threading.Lock()
 
     def row(self, stream: int, example: TensorDictBase) -> TensorDictBase:
+        record = example[0] if example.batch_dims else example
         with self._lock:
             if self.records is None:  # laid out like the first records any stream receives
-                record = example[0] if example.batch_dims else example
-                self.records = torch.empty_like(record.expand(self.streams, self.capacity))
-            return self.records[stream]
+                self.records = torch.empty_like(record.exclude(*CONTEXT_KEYS).expand(self.streams, self.capacity))
+            row = self.records[stream]
+        self.contexts[stream] = torch.empty_like(record.select(*CONTEXT_KEYS).expand(self.capacity))
+        return row.update(self.contexts[stream])
+
+    def contexts_at(self, streams: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, belief) of each (stream, slot) pair, stacked (copies)."""
+        pairs = [(self.contexts[stream], slot) for stream, slot in zip(streams, slots)]
+        return tuple(torch.stack([context.get(key)[slot] for context, slot in pairs]) for key in CONTEXT_KEYS)
 
 
 class _StreamStorage(LazyTensorStorage):
@@ -420,8 +434,7 @@ class Replay:
         slots = handles.get(("index", "index"))[:, 0]
         with self.buffer._replay_lock:
             lost = self._generations(members, slots) != handles.get("index_generation")[:, 0]
-            state = self.table.records.get("state")[members, slots]
-            belief = self.table.records.get("belief")[members, slots]
+            state, belief = self.table.contexts_at(members.tolist(), slots.tolist())
         state[lost], belief[lost] = 0.0, 0.0
         self.lost_contexts += int(lost.sum())
         if self.device.type == "cuda":
