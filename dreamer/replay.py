@@ -12,8 +12,9 @@ of a Minecraft record's bytes. In the batch, `state` and `belief` are that first
 whole sequence (an expanded view, no copies).
 
 All streams' records live in one table [streams, capacity] (each member's storage is a row of it), so
-a batch is one row gather per key; each stream keeps its own context column beside it. For a CUDA learner it is gathered straight into pinned staging
-buffers that are reused once their copy to the device has ended.
+a batch is one row gather per key; each stream keeps its own context column beside it. For a CUDA
+learner the batch is gathered straight into pinned staging buffers, reused once their copy to the
+device has ended.
 
 Ordering of samples and write-backs. The records of a sample are prepared ahead (in the replay's
 sampling thread) without their context; the context of each sequence's first record is read when `sample()`

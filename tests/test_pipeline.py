@@ -192,6 +192,14 @@ def _unbuildable_pool(layout: EnvLayout, inference: Inference) -> WorkerPool:
     return WorkerPool(broken, 0, layout, SIZE, inference.clients, chunk=8, suite="gym", max_restarts=2).start()
 
 
+def _raises_within(step, error: type[BaseException], match: str, seconds: float = 120) -> None:
+    """Calls `step` until it raises `error` with a message matching `match`; fails after `seconds`."""
+    deadline = time.monotonic() + seconds
+    with pytest.raises(error, match=match):
+        while time.monotonic() < deadline:
+            step()
+
+
 def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
     from dreamer.collect import CollectionError
 
@@ -199,10 +207,8 @@ def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
     inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
     pool = _unbuildable_pool(layout, inference)
     try:
-        deadline = time.monotonic() + 120
-        with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row, last with \w+"):
-            while time.monotonic() < deadline:
-                pool.receive(timeout=1.0)
+        _raises_within(lambda: pool.receive(timeout=1.0), CollectionError,
+                       r"gym env 0 could not be created 2 times in a row, last with \w+")
     finally:
         pool.close()
         inference.close()
@@ -240,10 +246,8 @@ def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_colle
     pool = _unbuildable_pool(layout, inference)
     ingest = Ingest(pool, replay).start()
     try:
-        deadline = time.monotonic() + 120
-        with pytest.raises(CollectionError, match=r"gym env 0 could not be created 2 times in a row"):
-            while time.monotonic() < deadline:
-                ingest.take(timeout=1.0)
+        _raises_within(lambda: ingest.take(timeout=1.0), CollectionError,
+                       r"gym env 0 could not be created 2 times in a row")
     finally:
         ingest.close()
         pool.close()
