@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import (
+    ConditionalUpdateResult,
     LazyTensorStorage,
     ReplayBufferEnsemble,
     SliceSampler,
@@ -100,10 +101,9 @@ class _Table:
         self.contexts[stream] = torch.empty_like(record.select(*CONTEXT_KEYS).expand(self.capacity))
         return row.update(self.contexts[stream])
 
-    def contexts_at(self, streams: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(state, belief) of each (stream, slot) pair, stacked (copies)."""
-        pairs = [(self.contexts[stream], slot) for stream, slot in zip(streams, slots)]
-        return tuple(torch.stack([context.get(key)[slot] for context, slot in pairs]) for key in CONTEXT_KEYS)
+    def context_at(self, stream: int, slot: int) -> tuple[torch.Tensor, ...]:
+        """(state, belief) stored at one slot of one stream (copies)."""
+        return tuple(self.contexts[stream].get(key)[slot].clone() for key in CONTEXT_KEYS)
 
 
 class _StreamStorage(LazyTensorStorage):
@@ -431,11 +431,17 @@ class Replay:
         The read holds the replay's lock, which inserts and write-backs take too, and checks each slot's
         generation against the sampled one: a context is never torn, nor another record's.
         """
-        members = handles.get(("index", "buffer_ids"))[:, 0]
-        slots = handles.get(("index", "index"))[:, 0]
-        with self.buffer._replay_lock:
-            lost = self._generations(members, slots) != handles.get("index_generation")[:, 0]
-            state, belief = self.table.contexts_at(members.tolist(), slots.tolist())
+        members = handles.get(("index", "buffer_ids"))[:, 0].tolist()
+        slots = handles.get(("index", "index"))[:, 0].tolist()
+        sampled = handles.get("index_generation")[:, 0].tolist()
+        lost = torch.zeros(len(members), dtype=torch.bool)
+        contexts = []
+        for i, (stream, slot) in enumerate(zip(members, slots)):
+            member = self.buffer._rbs[stream]
+            with member._replay_lock:  # the stream's inserts and write-backs hold it too
+                lost[i] = int(member.writer.generations_of(torch.tensor([slot]))) != sampled[i]
+                contexts.append(self.table.context_at(stream, slot))
+        state, belief = (torch.stack(column) for column in zip(*contexts))
         state[lost], belief[lost] = 0.0, 0.0
         self.lost_contexts += int(lost.sum())
         if self.device.type == "cuda":
@@ -449,19 +455,17 @@ class Replay:
         Overlapping slices address some slots more than once: the last write wins. From a CUDA learner
         the copy to the host is enqueued now, after the work that produced the values (on a copy stream
         that waits for the producing stream), behind a CUDA event; the write-back thread waits for that
-        event, never for the learner's later work, and applies the patch with the ensemble's
-        `update_if_present` (grouped by member), into slots whose generation is unchanged since
-        sampling. `wait` (default: on a CPU learner only) returns after it has been applied.
+        event, never for the learner's later work, and applies the patch member by member (`_apply`:
+        the generation check of torchrl's `update_if_present`, without its copies), into slots whose
+        generation is unchanged since sampling. `wait` (default: on a CPU learner only) returns after it has been applied.
         """
         index = handles.get("index")[:, 1:].reshape(-1)
         generation = handles.get("index_generation")[:, 1:].reshape(-1)
         coordinates = torch.stack([index.get("buffer_ids"), index.get("index")], -1)
         keep = last_write_wins(coordinates)
         on_device = _to_device(keep, state.device)
-        patch = {
-            "state": state.detach().reshape(-1, state.shape[-1])[on_device].float(),
-            "belief": belief.detach().reshape(-1, belief.shape[-1])[on_device].float(),
-        }
+        rows = (on_device // state.shape[1], on_device % state.shape[1])  # one gather, even from a strided view
+        patch = {"state": state.detach()[rows].float(), "belief": belief.detach()[rows].float()}
         landed = None
         if state.is_cuda:
             # The patch is gathered on the producing stream (it reads the update's outputs, which the
@@ -481,7 +485,9 @@ class Replay:
         def apply():
             if landed is not None:
                 landed.synchronize()
-            return self.buffer.update_if_present(index=index, generation=generation, patch=patch)
+            if self.stock:
+                return self.buffer.update_if_present(index=index, generation=generation, patch=patch)
+            return self._apply(index.get("buffer_ids"), index.get("index"), generation, patch)
 
         future = self._writer.submit(apply)
         self._pending_writes()  # raises the error of a failed earlier write-back, here
@@ -491,6 +497,34 @@ class Replay:
             # the next learner step for the same cores (measured: slower on 2 cores).
             future.result()
         return future
+
+    def _apply(self, members: torch.Tensor, slots: torch.Tensor, generation: torch.Tensor,
+               patch: dict[str, torch.Tensor]) -> ConditionalUpdateResult:
+        """Writes the patch rows into the context columns of the slots whose generation is unchanged.
+
+        The rows come ordered by (member, slot) (`last_write_wins`), so each member's rows are one
+        contiguous range of the patch: one bincount finds the ranges, and each is copied straight into
+        the stream's column (no per-member gather of the patch first, as the ensemble's
+        `update_if_present` does, and no lock over the whole replay: only the member's own, which its
+        inserts take too, so sampling's gathers run meanwhile).
+        """
+        counts = torch.bincount(members, minlength=self.streams).tolist()
+        updated = torch.zeros(members.shape[0], dtype=torch.bool)
+        start = 0
+        for stream, count in enumerate(counts):
+            if not count:
+                continue
+            rows, start = slice(start, start + count), start + count
+            member, context = self.buffer._rbs[stream], self.table.contexts[stream]
+            with member._replay_lock:
+                current = member.writer.generations_of(slots[rows])
+                live = (current >= 0) & (current == generation[rows])
+                every = bool(live.all())
+                target = slots[rows] if every else slots[rows][live]
+                for key, value in patch.items():
+                    context.get(key).index_copy_(0, target, value[rows] if every else value[rows][live])
+            updated[rows] = live
+        return ConditionalUpdateResult(updated=updated, version_rejected=None, batch_size=updated.shape)
 
     def _pending_writes(self) -> list[Future]:
         """The write-backs not yet applied; a failed one raises its error."""

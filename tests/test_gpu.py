@@ -92,6 +92,27 @@ def test_write_back_from_cuda_tensors():
     replay.close()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_cuda_batches_through_the_pinned_staging_ring_are_the_sampled_records(prefetch):
+    """More batches than the staging ring holds, with inserts between them: each batch on the device is
+    the records its handles name (a staging buffer reused before its copy ended would mix batches)."""
+    replay = Replay(4, 400, 16, 7, torch.device("cuda:0"), seed=0, prefetch=prefetch)
+    step = 0
+    for step in range(20):
+        replay.add(_records(step, 4))
+    for _ in range(3 * len(replay._ring)):
+        batch, handles = replay.sample()
+        big = torch.empty(4096, 4096, device="cuda:0").normal_()  # keep the learner's stream busy
+        t = (batch.get("t") + (big @ big).sum() * 0).cpu()
+        members = handles.get(("index", "buffer_ids"))
+        assert torch.equal(t // 1000, members)  # each sequence from the stream it was drawn from
+        assert torch.equal(t[:, 1:] - t[:, :-1], torch.ones_like(t[:, 1:]))  # consecutive records
+        for _ in range(3):
+            step += 1
+            replay.add(_records(step, 4))
+    replay.close()
+
+
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs(process):
     """The served step is a CUDA graph on its own stream; the deterministic part (the belief) must match

@@ -362,13 +362,13 @@ def test_a_sample_prepared_after_a_write_back_observes_it_and_one_prepared_befor
     replay = Replay(2, 40, 6, 3, torch.device("cpu"), seed=0, prefetch=1)
     for step in range(12):
         replay.add(_records(step, 2))
-    gate, original = threading.Event(), replay.buffer.update_if_present
+    gate, original = threading.Event(), replay._apply
 
-    def held(**kwargs):
+    def held(*args):
         assert gate.wait(30)
-        return original(**kwargs)
+        return original(*args)
 
-    replay.buffer.update_if_present = held
+    replay._apply = held
     batch, handles = replay.sample()  # hands out one, prepares the next
     source = batch.get("t")[:, :-1].float().unsqueeze(-1).expand(6, 3, 3).contiguous()
     write = replay.write_back(handles, source, source, wait=False)
