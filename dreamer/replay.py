@@ -29,6 +29,7 @@ resident batch (BENCHMARKS.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import deque
@@ -44,6 +45,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
     TensorDictRoundRobinWriter,
 )
+from torchrl.data.replay_buffers.writers.round_robin import _SLOT_GENERATIONS_ATTR
 
 STREAM_KEY = "stream"
 HANDLE_KEYS = ("index", "index_generation")
@@ -89,6 +91,9 @@ class _Table:
     def __init__(self, streams: int, capacity: int):
         self.streams, self.capacity = streams, capacity
         self.records: TensorDictBase | None = None  # [streams, capacity], the context left out
+        # Each stream writer's slot generations are a row of this (the writers bump them in place), so
+        # the generations of a batch are one gather, not one writer call per stream.
+        self.generations = torch.full((streams, capacity), -1, dtype=torch.long)
         self.contexts: dict[int, TensorDictBase] = {}  # stream -> [capacity]
         self._lock = threading.Lock()
 
@@ -101,9 +106,10 @@ class _Table:
         self.contexts[stream] = torch.empty_like(record.select(*CONTEXT_KEYS).expand(self.capacity))
         return row.update(self.contexts[stream])
 
-    def context_at(self, stream: int, slot: int) -> tuple[torch.Tensor, ...]:
-        """(state, belief) stored at one slot of one stream (copies)."""
-        return tuple(self.contexts[stream].get(key)[slot].clone() for key in CONTEXT_KEYS)
+    def contexts_at(self, streams: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, belief) of each (stream, slot) pair, stacked (copies)."""
+        pairs = [(self.contexts[stream], slot) for stream, slot in zip(streams, slots)]
+        return tuple(torch.stack([context.get(key)[slot] for context, slot in pairs]) for key in CONTEXT_KEYS)
 
 
 class _StreamStorage(LazyTensorStorage):
@@ -113,6 +119,8 @@ class _StreamStorage(LazyTensorStorage):
     def __init__(self, max_size: int, table: _Table | None = None, stream: int = 0):
         super().__init__(max_size)
         self._table, self._stream = table, stream
+        if table is not None:  # where torchrl's round-robin writer keeps the slot generations it tracks
+            setattr(self, _SLOT_GENERATIONS_ATTR, table.generations[stream])
 
     def _init_standard(self, data) -> None:
         if self._table is None:
@@ -227,6 +235,10 @@ class Replay:
             )
             for stream in range(streams)
         ]
+        if not stock and any(member.writer._generation is None
+                             or member.writer._generation.data_ptr() != self.table.generations[i].data_ptr()
+                             for i, member in enumerate(members)):
+            raise RuntimeError("torchrl's writers no longer keep slot generations where the replay table shares them")
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = ReplayBufferEnsemble(
             *members,
@@ -382,11 +394,7 @@ class Replay:
 
     def _generations(self, members: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The current generation of each (member, slot) pair: members [n], slots [n, ...]."""
-        generations = torch.empty(slots.shape, dtype=torch.long)
-        for member in members.unique().tolist():
-            rows = members == member
-            generations[rows] = self.buffer._rbs[member].writer.generations_of(slots[rows])
-        return generations
+        return self.table.generations[members.reshape(-1, *[1] * (slots.ndim - 1)), slots]
 
     def _stock_sample(self) -> tuple[TensorDictBase, TensorDictBase]:
         """torchrl's sampling end to end (its prefetch thread, its storage's gathers), every record's
@@ -431,17 +439,13 @@ class Replay:
         The read holds the replay's lock, which inserts and write-backs take too, and checks each slot's
         generation against the sampled one: a context is never torn, nor another record's.
         """
-        members = handles.get(("index", "buffer_ids"))[:, 0].tolist()
-        slots = handles.get(("index", "index"))[:, 0].tolist()
-        sampled = handles.get("index_generation")[:, 0].tolist()
-        lost = torch.zeros(len(members), dtype=torch.bool)
-        contexts = []
-        for i, (stream, slot) in enumerate(zip(members, slots)):
-            member = self.buffer._rbs[stream]
-            with member._replay_lock:  # the stream's inserts and write-backs hold it too
-                lost[i] = int(member.writer.generations_of(torch.tensor([slot]))) != sampled[i]
-                contexts.append(self.table.context_at(stream, slot))
-        state, belief = (torch.stack(column) for column in zip(*contexts))
+        members = handles.get(("index", "buffer_ids"))[:, 0]
+        slots = handles.get(("index", "index"))[:, 0]
+        with contextlib.ExitStack() as held:
+            for stream in members.unique().tolist():  # in order: no two readers deadlock
+                held.enter_context(self.buffer._rbs[stream]._replay_lock)  # its inserts and write-backs hold it
+            lost = self._generations(members, slots) != handles.get("index_generation")[:, 0]
+            state, belief = self.table.contexts_at(members.tolist(), slots.tolist())
         state[lost], belief[lost] = 0.0, 0.0
         self.lost_contexts += int(lost.sum())
         if self.device.type == "cuda":
@@ -517,7 +521,7 @@ class Replay:
             rows, start = slice(start, start + count), start + count
             member, context = self.buffer._rbs[stream], self.table.contexts[stream]
             with member._replay_lock:
-                current = member.writer.generations_of(slots[rows])
+                current = self.table.generations[stream, slots[rows]]
                 live = (current >= 0) & (current == generation[rows])
                 every = bool(live.all())
                 target = slots[rows] if every else slots[rows][live]

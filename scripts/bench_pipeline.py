@@ -20,7 +20,10 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
             collect phase, the learner idle.
   overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
             same update on a batch resident on the device, in blocks of back-to-back updates (the steady
-            state of training); collection keeps running in both.
+            state of training); collection keeps running in both. overhead: wall time of whole blocks,
+            drained at both ends; steady_overhead: the median interval between the ends of consecutive
+            updates inside the blocks (a block's start, where the first batch is fetched with the device
+            idle, and its final drain are left out: training has neither).
 
 A last line holds the ratios (b)/(a) and (d). Learner warm-up (compile, capture) comes first and is
 reported, not timed in any phase.
@@ -238,6 +241,7 @@ def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
     per-update time of a block."""
     resident = p.replay.sample()[0][:, :-1].to(p.device)
     with_replay, alone = [], []
+    steady = {True: [], False: []}  # end-to-end intervals between consecutive updates of a block
     host = dict.fromkeys(("sample", "update", "write_back"), 0.0)  # trainer thread, blocks with replay
     for index in range(2 * max(1, updates // block)):
         target = with_replay if index % 2 == 0 else alone
@@ -246,18 +250,27 @@ def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
             torch.cuda.synchronize()
         before = dict(p.host)
         start = time.perf_counter()
+        ends = []
         for _ in range(block):
-            p.update(None if target is with_replay else resident)
+            timing = p.update(None if target is with_replay else resident, timed=True)
+            ends.append(timing[1] if p.cuda else time.perf_counter())
         if p.cuda:
             torch.cuda.synchronize()
         target.append((time.perf_counter() - start) / block)
+        steady[target is with_replay] += [
+            (ends[i - 1].elapsed_time(ends[i]) / 1e3 if p.cuda else ends[i] - ends[i - 1]) for i in range(1, block)]
         if target is with_replay:
             for part in host:
                 host[part] += p.host[part] - before[part]
     a, b = statistics.median(with_replay), statistics.median(alone)
+    sa, sb = statistics.median(steady[True]), statistics.median(steady[False])
     per_update = block * len(with_replay)
     return {"phase": "overhead", "ms_with_replay": round(a * 1e3, 2), "ms_resident": round(b * 1e3, 2),
-            "overhead": round(a / b - 1, 4), "updates": block * (len(with_replay) + len(alone)),
+            "overhead": round(a / b - 1, 4),
+            # the same blocks, without their ends: the median interval between the ends of consecutive
+            # updates (a gap the learner waits for its batch shows here; a block's start and drain do not)
+            "steady_ms_with_replay": round(sa * 1e3, 2), "steady_ms_resident": round(sb * 1e3, 2),
+            "steady_overhead": round(sa / sb - 1, 4), "updates": block * (len(with_replay) + len(alone)),
             # the trainer thread's host ms per update with replay: sample() includes waiting for the prefetch
             "host_ms_per_update": {part: round(value / per_update * 1e3, 2) for part, value in host.items()}}
 
@@ -370,7 +383,8 @@ def main() -> None:
         collected = a["env_steps_per_s"]  # 0 when the phase is shorter than a chunk's steps
         ratio = round(b["env_steps_per_s"] / collected, 4) if collected else None
         emit({"phase": "ratios", "train_over_collect": ratio,
-              "write_back_and_sampling_overhead": d["overhead"], "worker_restarts": p.pool.restarts})
+              "write_back_and_sampling_overhead": d["overhead"],
+              "steady_write_back_and_sampling_overhead": d["steady_overhead"], "worker_restarts": p.pool.restarts})
     finally:
         p.close()
 

@@ -111,6 +111,7 @@ def test_pipeline_benchmark_runs_on_cpu(workdir):
     assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
     assert rows["ratios"]["worker_restarts"] == 0
     assert set(rows["overhead"]["host_ms_per_update"]) == {"sample", "update", "write_back"}
+    assert rows["overhead"]["steady_ms_with_replay"] > 0 and rows["overhead"]["steady_ms_resident"] > 0
 
 
 def test_replay_benchmark_runs_on_cpu(workdir):

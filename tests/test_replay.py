@@ -406,3 +406,15 @@ def test_every_window_of_a_stream_can_be_drawn_and_none_past_its_newest_record()
         assert bool((t // 1000 == 0).all())  # the stream without a window is never drawn
         starts.update(t[:, 0].tolist())
     assert starts == set(range(7))
+
+
+def test_the_table_generations_are_the_writers_own():
+    """Sampling and write-backs read generations from the table; the writers bump them there."""
+    replay = _replay(streams=3, size=30, batch_size=4, batch_length=3)
+    for step in range(25):  # 2.5 passes over each stream's 10 slots
+        replay.add(_records(step, 3))
+    replay.add_chunk(1, _chunk(1, range(25, 29)))
+    for stream, member in enumerate(replay.buffer._rbs):
+        expected = member.writer.generations_of(torch.arange(10))
+        assert torch.equal(replay.table.generations[stream], expected)
+    assert replay.table.generations[1].tolist() == [2] * 9 + [1]  # 29 writes into 10 slots (a first write: 0)
