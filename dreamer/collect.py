@@ -264,7 +264,7 @@ class Chunk:
 
 
 def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, client,
-                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int) -> None:
+                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int, stepped=None) -> None:
     """One env worker: steps its env with the server's actions and sends chunks until `stop` is set."""
     from omegaconf import OmegaConf
 
@@ -293,6 +293,8 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
         while not stop.is_set():
             record, ended = collector.step()
             records.append(record)
+            if stepped is not None:  # this worker's slot only: no lock
+                stepped[index] += 1
             episodes += [Episode(index, e.score, e.length, e.truncated_by_fault, e.stats) for e in ended]
             if len(records) >= chunk:
                 writer.send(Chunk(index, torch.cat(records), episodes, collector.restarts - restarts))
@@ -333,6 +335,9 @@ class WorkerPool:
         self.deaths = [0] * n  # deaths in a row, per worker
         self.restarts = 0  # worker restarts plus env rebuilds inside workers
         self.read_seconds = 0.0  # time spent reading and unpickling chunks (not waiting for them)
+        # Env steps taken by each worker so far, chunks not yet sent included (shared memory, one writer
+        # per slot): a rate over a short window is exact to the step, not to the chunk.
+        self.stepped = self.context.RawArray("q", n)
 
     def start(self) -> WorkerPool:
         for index in range(len(self.clients)):
@@ -345,7 +350,7 @@ class WorkerPool:
         process = self.context.Process(
             target=_worker_main, name=f"dreamer-env-{index}", daemon=True,
             args=(index, env_cfg, seed, layout, size, self.clients[index], writer, self.stop, self.chunk,
-                  self.suite, self.max_restarts))
+                  self.suite, self.max_restarts, self.stepped))
         process.start()
         writer.close()  # the worker holds the only writer: its death closes the pipe
         self.processes[index], self.pipes[index] = process, reader

@@ -7,7 +7,10 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
 `--latency` s per step, `dreamer.collect.WorkerPool`, `dreamer.inference.Inference`, `dreamer.replay.Replay`,
 `dreamer.learner.Learner`), in four phases, one JSON line each:
 
-  collect   (a) collection alone: env steps/s with the learner idle (replay filling).
+  collect   (a) collection alone: env steps/s with the learner idle (replay filling). Env steps/s count
+            the steps the workers took in the window (a shared counter per worker); received_env_steps_per_s
+            counts the steps of the chunks that arrived, which moves in whole chunks (64 steps per
+            worker) and is coarse over a short window.
   train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
             training); (c) learner updates/s and its GPU busy fraction (CUDA-event time around each
             learner step, summed, over the phase's wall time); weight syncs every --sync-every updates;
@@ -193,11 +196,12 @@ def phase_collect(p: Pipeline, seconds: float) -> dict:
     """(a) until replay can be sampled and at least `seconds`; the rate over the last `seconds`."""
     while not p.replay.ready(every=True):
         p.gather(1.0)
-    start, steps = time.perf_counter(), 0
+    start, steps, stepped = time.perf_counter(), 0, sum(p.pool.stepped)
     while time.perf_counter() - start < seconds:
         steps += p.gather(0.5)
-    wall = time.perf_counter() - start
-    return {"phase": "collect", "env_steps_per_s": round(steps / wall, 1), "seconds": round(wall, 1),
+    wall, stepped = time.perf_counter() - start, sum(p.pool.stepped) - stepped
+    return {"phase": "collect", "env_steps_per_s": round(stepped / wall, 1),
+            "received_env_steps_per_s": round(steps / wall, 1), "seconds": round(wall, 1),
             "replay_records": len(p.replay)}
 
 
@@ -208,7 +212,7 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
     owed, steps, timings, syncs = 0.0, 0, [], 0
     p.host = dict.fromkeys(HOST_PARTS, 0.0)
     read, added = p.pool.read_seconds, p.ingest.add_seconds if p.ingest else 0.0
-    start = time.perf_counter()
+    start, stepped = time.perf_counter(), sum(p.pool.stepped)
     while time.perf_counter() - start < seconds:
         arrived = p.gather(0.0 if owed >= 1 else 0.5)
         steps += arrived
@@ -220,9 +224,10 @@ def phase_train(p: Pipeline, seconds: float) -> dict:
                 syncs += bool(p.inference.sync())
     if p.cuda:
         torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall, stepped = time.perf_counter() - start, sum(p.pool.stepped) - stepped
     busy = sum(p.seconds(t) for t in timings)
-    return {"phase": "train", "env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
+    return {"phase": "train", "env_steps_per_s": round(stepped / wall, 1),
+            "received_env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
             "updates_per_s": round(len(timings) / wall, 2), "learner_busy": round(busy / wall, 3),
             "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1),
             # where the trainer thread's wall time went (the rest: weight syncs and the loop itself)
@@ -380,7 +385,7 @@ def main() -> None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                 spy.wait(timeout=60)
         emit(d)
-        collected = a["env_steps_per_s"]  # 0 when the phase is shorter than a chunk's steps
+        collected = a["env_steps_per_s"]
         ratio = round(b["env_steps_per_s"] / collected, 4) if collected else None
         emit({"phase": "ratios", "train_over_collect": ratio,
               "write_back_and_sampling_overhead": d["overhead"],

@@ -108,6 +108,7 @@ def test_pipeline_benchmark_runs_on_cpu(workdir):
     assert rows["warmup"]["threads"] == 1  # --threads reached torch
     assert list(rows) == ["warmup", "collect", "inference_alone", "train", "inference", "overhead", "ratios"]
     assert rows["collect"]["env_steps_per_s"] > 0 and rows["train"]["updates"] > 0
+    assert rows["collect"]["received_env_steps_per_s"] > 0  # chunks arrived too
     assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
     assert rows["ratios"]["worker_restarts"] == 0
     assert set(rows["overhead"]["host_ms_per_update"]) == {"sample", "update", "write_back"}
