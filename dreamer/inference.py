@@ -33,6 +33,12 @@ from torchrl.modules.inference_server._process_slot import _ProcessSlotClient
 
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (nearest rank); nan when there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
 def request_spec(layout: EnvLayout, size: ModelSize) -> TensorDict:
     """One worker's request: a replay record without batch dimensions (zeros)."""
     observation = {key: torch.zeros(width) for key, width in zip(layout.vector_keys, layout.vector_sizes)}
@@ -394,6 +400,7 @@ class Inference:
         startup_timeout: float = 600.0,
     ):
         self.device = torch.device(device)
+        self._last_stats: tuple[int, float] | None = None  # (passes served, when): see stats
         request, response = request_spec(layout, size), response_spec(layout, size)
         self.transport = KillSafeSlotTransport(request, response, num_slots=clients)
         self.clients = [self.transport.client() for _ in range(clients)]
@@ -462,12 +469,18 @@ class Inference:
         return self._conn.recv()
 
     def stats(self) -> dict[str, float]:
-        stats = self.snapshot()[0]
+        """The server's figures for a metrics record. busy: the fraction of the time since the previous
+        call spent in passes (passes served since then x the mean of the recent passes' durations)."""
+        stats, forward = self.snapshot()
+        now = time.monotonic()
+        since, self._last_stats = self._last_stats, (stats["batches"], now)
+        rate = (stats["batches"] - since[0]) / max(now - since[1], 1e-9) if since else stats["batches_per_s"]
         return {
             "inference/batch": stats["avg_batch_size"],
-            "inference/batches_per_s": stats["batches_per_s"],
-            "inference/p50_ms": stats["p50_forward_ms"],
-            "inference/p95_ms": stats["p95_forward_ms"],
+            "inference/batches_per_s": rate,
+            "inference/p50_ms": percentile(forward, 0.5) if forward else 0.0,
+            "inference/p99_ms": percentile(forward, 0.99) if forward else 0.0,
+            "inference/busy": rate * (sum(forward) / len(forward) / 1e3 if forward else 0.0),
             "inference/weight_syncs": self.sync.applied,
         }
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -247,6 +248,8 @@ class Learner:
         self._eps = self.nets.prior.rnn.belief_projection[1].eps
         self.needs_warmup = compile or cudagraph
         self.updates = 0
+        self._spans: deque = deque()  # CUDA events around updates whose time is not yet in busy_seconds
+        self._host_busy = 0.0  # a CPU learner's update time not yet in busy_seconds
         self._sums = torch.zeros(len(METRICS), device=self.device)
         self._count = torch.zeros((), device=self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -705,6 +708,12 @@ class Learner:
         """
         if self.needs_warmup:
             raise RuntimeError("call warmup(batch) before the first update when compiling or capturing")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            span[0].record()
+        else:
+            start = time.perf_counter()
         if self._graph is not None:
             for key, value in self._inputs(batch).items():
                 self._static[key].copy_(value, non_blocking=True)
@@ -712,9 +721,23 @@ class Learner:
             state, belief = self._outputs
         else:
             state, belief = self._step({k: v.to(self.device) for k, v in self._inputs(batch).items()})
+        if cuda:
+            span[1].record()
+            self._spans.append(span)
+        else:
+            self._host_busy += time.perf_counter() - start
         self.updates += 1
         batch.set("replay_context", TensorDict({"state": state, "belief": belief}, batch.batch_size))
         return batch
+
+    def busy_seconds(self) -> float:
+        """Device seconds spent in updates since the last call, counting the updates that have ended on
+        the device (the others count at a later call); never waits. On CPU: the update calls' time."""
+        seconds, self._host_busy = self._host_busy, 0.0
+        while self._spans and self._spans[0][1].query():
+            start, end = self._spans.popleft()
+            seconds += start.elapsed_time(end) / 1e3
+        return seconds
 
     def read_metrics(self) -> MetricsRead:
         """Starts reading the metrics summed since the last read: a copy to pinned memory behind an event

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -149,6 +150,8 @@ def train(cfg: DictConfig) -> None:
         return ingest.take(timeout=1.0)  # the chunks are added to replay by the ingest thread
 
     window: list = []  # episodes ended since the last metrics record
+    logged_at = time.monotonic()
+    learner.busy_seconds()  # the warm-up's updates are not training
     pending: list = []  # metrics records waiting for the learner's device values
 
     def write_pending() -> None:
@@ -184,8 +187,13 @@ def train(cfg: DictConfig) -> None:
 
                 metrics.tick(counters["env_steps"])
                 if should_log(counters["env_steps"]):
+                    now = time.monotonic()
                     record = {**summarize_episodes(window), "env/restarts": (pool or collector).restarts,
+                              # the learner device's time in updates since the last record (updates still
+                              # queued on the device count in the next one)
+                              "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9),
                               **(inference.stats() if workers else {})}
+                    logged_at = now
                     pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
                     window.clear()
                 while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop

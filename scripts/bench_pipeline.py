@@ -56,7 +56,7 @@ from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noq
 from dreamer.collect import Ingest, WorkerPool  # noqa: E402
 from dreamer.config import CONFIG_DIR  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
-from dreamer.inference import Inference  # noqa: E402
+from dreamer.inference import Inference, percentile  # noqa: E402
 from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
 from dreamer.replay import Replay  # noqa: E402
 
@@ -69,11 +69,6 @@ def _size(name: str) -> ModelSize:
         model = yaml.safe_load(path.read_text())
     model.pop("name", None)
     return ModelSize(**model)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
 
 
 class Pipeline:
@@ -282,8 +277,8 @@ def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
 
 def phase_inference(p: Pipeline) -> dict:
     stats, forward = p.inference.snapshot()
-    return {"phase": "inference", "p50_ms": round(_percentile(forward, 0.5), 3),
-            "p99_ms": round(_percentile(forward, 0.99), 3), "batches": len(forward),
+    return {"phase": "inference", "p50_ms": round(percentile(forward, 0.5), 3),
+            "p99_ms": round(percentile(forward, 0.99), 3), "batches": len(forward),
             "mean_batch": round(stats["avg_batch_size"], 1), "device": str(p.inference.device)}
 
 

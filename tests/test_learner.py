@@ -116,6 +116,18 @@ def test_warmup_leaves_no_trace():
     assert torch.equal(rng, torch.get_rng_state()) and learner.drain() == {}
 
 
+def test_busy_seconds_count_each_update_once():
+    agent, batch = _setup(VECTOR)
+    learner = Learner(agent, OptimizerSettings(warmup=0), "cpu")
+    assert learner.busy_seconds() == 0.0
+    learner.update(batch.clone())
+    learner.update(batch.clone())
+    first = learner.busy_seconds()
+    assert first > 0 and learner.busy_seconds() == 0.0  # read once, then reset
+    learner.update(batch.clone())
+    assert 0 < learner.busy_seconds() < 10 * first
+
+
 def test_optimizer_equals_torchrl_on_the_same_gradients():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (5,), (3, 2, 2)]]

@@ -154,6 +154,8 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir):
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
     assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
+    assert train[-1]["inference/p99_ms"] >= train[-1]["inference/p50_ms"] > 0
+    assert 0 < train[-1]["inference/busy"] and 0 < train[-1]["learner/busy"] <= 1.01
     assert any(r["kind"] == "final_eval" for r in records)
 
 
