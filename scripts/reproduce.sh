@@ -7,11 +7,15 @@
 #   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: the same
 #   bash scripts/reproduce.sh learner-cl      # ours with channels-last CNNs at both 32 x 256 sizes
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU: 50 ms with the
-#                                             # server as a thread, then as a process; 0 ms (thread); replay cost
+#                                             # server as a thread, then as a process; 0 ms (process, then
+#                                             # thread); replay cost
 #   bash scripts/reproduce.sh pipeline-16     # 16 workers at 50 ms (one per core), server as a thread
 #   bash scripts/reproduce.sh pipeline-host   # 64 workers at 50 ms, the trainer's host side: chunks added
 #                                             # in the ingest thread, then inline; then 2 intra-op threads
-#   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=emulated, 64 workers, a few minutes
+#   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=minecraft env=emulated, 64 workers,
+#                                             # 6 minutes, then its figures (scripts/run_figures.py)
+#   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
+#   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
@@ -47,7 +51,9 @@ case "${1:-}" in
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
       --latency 0.05 --seconds 25 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0 --seconds 15 --inference thread --out "$OUT/pipeline-0ms.jsonl"
+      --latency 0 --seconds 10 --inference process --out "$OUT/pipeline-0ms-process.jsonl"
+    $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
+      --latency 0 --seconds 10 --inference thread --out "$OUT/pipeline-0ms.jsonl"
     $PY scripts/bench_replay.py --device cuda --out "$OUT/replay.jsonl" --profile "$OUT/replay-profile.txt"
     ;;
   pipeline-16)
@@ -62,18 +68,23 @@ case "${1:-}" in
         --out "$OUT/pipeline-50ms-ingest-$1-threads$2.jsonl"
     done
     ;;
-  minecraft)
-    # Collection fills 65,536 steps first (run.train_start), then trains; Ctrl-C (SIGINT) after 400 s saves and stops.
-    timeout --signal=INT 400 $PY -m dreamer.train +exp=emulated run.steps=200000 replay.size=300000 \
-      hydra.run.dir="$OUT/minecraft-run" > "$OUT/minecraft.log" 2>&1 || true
-    tail -n 30 "$OUT/minecraft.log"
+  minecraft | minecraft-4gpu | minecraft-1gpu)
+    # Collection fills 65,536 steps first (run.train_start), then trains; SIGINT at the end saves and stops.
+    # --foreground: the signal goes to the trainer alone, which stops its workers itself.
+    seconds=360 topology=()
+    [ "$1" != minecraft ] && seconds=510 topology=("topology=${1#minecraft-}")
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
+    timeout --foreground --signal=INT -k 30 "$seconds" $PY -m dreamer.train +exp=minecraft env=emulated \
+      "${topology[@]}" run.log_every=8192 hydra.run.dir="$OUT/$1-run" > "$OUT/$1.log" 2>&1 || true
+    tail -n 30 "$OUT/$1.log"
+    $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
   envs)
     $PY scripts/bench_envs.py --suite emulated --workers 1,16,64 --seconds 6 | tee "$OUT/envs-emulated.txt"
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,17p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
     ;;
 esac

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -29,7 +31,7 @@ from dreamer.config import CONFIG_DIR
 from dreamer.envs import make_env
 from dreamer.inference import Inference, request_spec
 from dreamer.replay import Replay
-from tests.conftest import run_train
+from tests.conftest import ROOT, run_train
 
 SIZE = ModelSize(deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
 ENV = {"suite": "gym", "task": "CartPole-v1", "max_episode_steps": 500}
@@ -147,7 +149,7 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
 
 def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir):
     result = run_train(["+debug=smoke", "run.name=workers", "run.collect=workers", "run.envs=4", "run.chunk=16",
-                        "run.steps=384", "run.train_start=128", "run.sync_every=2", "run.inference=process"], workdir, timeout=600)
+                        "run.steps=384", "run.train_start=192", "run.sync_every=2", "run.inference=process"], workdir, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "4 env worker processes, inference server on cpu (its own process)" in result.stdout
     records = [json.loads(line) for line in (workdir / "runs" / "workers" / "metrics.jsonl").read_text().splitlines()]
@@ -156,6 +158,13 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir):
     assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
     assert train[-1]["inference/p99_ms"] >= train[-1]["inference/p50_ms"] > 0
     assert 0 < train[-1]["inference/busy"] and 0 < train[-1]["learner/busy"] <= 1.01
+    # scripts/run_figures.py: the same records split at the first update
+    figures = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_figures.py"), "runs/workers"], cwd=workdir,
+                             capture_output=True, text=True, timeout=120)
+    assert figures.returncode == 0, figures.stderr
+    line = json.loads(figures.stdout)
+    assert line["collecting"]["updates_per_s"] == 0 and line["training"]["updates_per_s"] > 0
+    assert line["training_over_collecting"] > 0 and line["training"]["learner/busy"] > 0
     assert any(r["kind"] == "final_eval" for r in records)
 
 
