@@ -249,7 +249,7 @@ class Learner:
         self.needs_warmup = compile or cudagraph
         self.updates = 0
         self._spans: deque = deque()  # CUDA events around updates whose time is not yet in busy_seconds
-        self._host_busy = 0.0  # a CPU learner's update time not yet in busy_seconds
+        self._busy = 0.0  # update seconds counted, not yet returned by busy_seconds
         self._sums = torch.zeros(len(METRICS), device=self.device)
         self._count = torch.zeros((), device=self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -724,8 +724,10 @@ class Learner:
         if cuda:
             span[1].record()
             self._spans.append(span)
+            if len(self._spans) > 64:  # a long time between reads: count the ended ones now
+                self._count_ended_spans()
         else:
-            self._host_busy += time.perf_counter() - start
+            self._busy += time.perf_counter() - start
         self.updates += 1
         batch.set("replay_context", TensorDict({"state": state, "belief": belief}, batch.batch_size))
         return batch
@@ -733,11 +735,14 @@ class Learner:
     def busy_seconds(self) -> float:
         """Device seconds spent in updates since the last call, counting the updates that have ended on
         the device (the others count at a later call); never waits. On CPU: the update calls' time."""
-        seconds, self._host_busy = self._host_busy, 0.0
+        self._count_ended_spans()
+        seconds, self._busy = self._busy, 0.0
+        return seconds
+
+    def _count_ended_spans(self) -> None:
         while self._spans and self._spans[0][1].query():
             start, end = self._spans.popleft()
-            seconds += start.elapsed_time(end) / 1e3
-        return seconds
+            self._busy += start.elapsed_time(end) / 1e3
 
     def read_metrics(self) -> MetricsRead:
         """Starts reading the metrics summed since the last read: a copy to pinned memory behind an event
