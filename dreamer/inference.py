@@ -33,6 +33,7 @@ from torchrl.modules.inference_server._process_slot import _ProcessSlotClient
 
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
+
 def percentile(values: list[float], q: float) -> float:
     """The q-quantile of `values` (nearest rank); nan when there are none."""
     ordered = sorted(values)

@@ -238,7 +238,8 @@ class Replay:
         if not stock and any(member.writer._generation is None
                              or member.writer._generation.data_ptr() != self.table.generations[i].data_ptr()
                              for i, member in enumerate(members)):
-            raise RuntimeError("torchrl's writers no longer keep slot generations where the replay table shares them")
+            raise RuntimeError("torchrl's round-robin writer no longer keeps slot generations on its storage, where "
+                               "the replay shares them: install torchrl 0.14.1 (pyproject.toml pins it)")
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = ReplayBufferEnsemble(
             *members,
@@ -461,7 +462,8 @@ class Replay:
         that waits for the producing stream), behind a CUDA event; the write-back thread waits for that
         event, never for the learner's later work, and applies the patch member by member (`_apply`:
         the generation check of torchrl's `update_if_present`, without its copies), into slots whose
-        generation is unchanged since sampling. `wait` (default: on a CPU learner only) returns after it has been applied.
+        generation is unchanged since sampling. `wait` (default: on a CPU learner only) returns after
+        it has been applied.
         """
         index = handles.get("index")[:, 1:].reshape(-1)
         generation = handles.get("index_generation")[:, 1:].reshape(-1)
