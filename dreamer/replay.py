@@ -355,7 +355,7 @@ class Replay:
         them; windows never cross the write cursor."""
         members = self.buffer._rbs
         buffer = self._staging() if self.device.type == "cuda" else None
-        with self.buffer._replay_lock:  # inserts and write-backs hold it too: no torn record
+        with self.buffer._replay_lock:  # inserts hold it too: no torn record (write-backs touch no field read here)
             lengths = torch.tensor([len(member) for member in members])
             newest = torch.tensor([member.storage._last_cursor_index if len(member) else 0 for member in members])
             windows = (lengths - self.sequence + 1).clamp(min=0)
@@ -437,8 +437,9 @@ class Replay:
         """The stored (state, belief) of each sampled sequence's first record, read now, and a mask of
         the sequences whose first slot was rewritten since sampling (their context is zero).
 
-        The read holds the replay's lock, which inserts and write-backs take too, and checks each slot's
-        generation against the sampled one: a context is never torn, nor another record's.
+        The read holds the locks of the streams it reads (each stream's inserts and write-backs take its
+        lock too) and checks each slot's generation against the sampled one: a context is never torn, nor
+        another record's.
         """
         members = handles.get(("index", "buffer_ids"))[:, 0]
         slots = handles.get(("index", "index"))[:, 0]
