@@ -5,7 +5,8 @@
 
 Every variant runs in its own process (a fresh compiler cache, its own peak memory) under a time limit
 (`--limit`, warm-up and measurement together) and, unless `--warm-cache`, with empty compiler caches;
-one that runs out is reported with the time it ran.
+one that runs out is reported with the time it ran. `--parallel` starts torchrl's variants side by side
+after the others (their minutes of compiling are CPU work) and says whether two timed phases overlapped.
 One JSON line per variant: updates_per_second, ms_per_update (median of --updates timed updates after
 warm-up), warmup_seconds, kernels_per_update and gpu_busy (torch.profiler over --profile updates),
 peak_memory_gib; ours also reports the FLOPs of one update and the fraction of the bf16 peak. The last
@@ -174,6 +175,7 @@ def run_single(args) -> dict:
 
         def update():
             stepper.step(None, batch)
+    measured_from = time.time()  # wall clock: --parallel checks that no two measurements overlapped
     for _ in range(3):  # first replays: allocator and caches
         update()
     times = []
@@ -194,6 +196,7 @@ def run_single(args) -> dict:
     median = statistics.median(times)
     result.update({"ms_per_update": round(median * 1e3, 2), "updates_per_second": round(1 / median, 2)})
     result.update(_profile(update, args.profile, cuda))
+    result["measured_span"] = [round(measured_from, 2), round(time.time(), 2)]
     if args.single.startswith("ours"):
         metrics = learner.drain()
         result["losses_finite"] = bool(metrics) and all(v == v and abs(v) != float("inf") for v in metrics.values())
@@ -229,6 +232,8 @@ def main() -> None:
     parser.add_argument("--no-flops", dest="flops", action="store_false")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its convolution algorithms during warm-up (every variant)")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run torchrl's variants side by side, after the others (each keeps its --limit)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     parser.add_argument("--single", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -243,32 +248,18 @@ def main() -> None:
     groups = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}
     variants = [v for name in args.variant.split(",") for v in groups.get(name, [name])]
     results = []
-    for variant in variants:
-        command = [sys.executable, __file__, *sys.argv[1:], "--single", variant]
-        start = time.perf_counter()
-        env = {**os.environ, "EXCLUDE_TD_FROM_PYTREE": "1"}
-        cache = tempfile.TemporaryDirectory(prefix=f"bench-{variant}-")
-        if not args.warm_cache:  # a cold compile, as on a fresh machine
-            env.update(TORCHINDUCTOR_CACHE_DIR=f"{cache.name}/inductor", TRITON_CACHE_DIR=f"{cache.name}/triton")
-        try:
-            with cache:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit, env=env)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode or not lines:
-                tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-                result = {"variant": variant, "error": f"exit {done.returncode}: {' | '.join(tail)}"}
-            else:
-                result = json.loads(lines[-1])
-        except subprocess.TimeoutExpired as error:
-            result = {"variant": variant, "error": f"did not finish warm-up and measurement within {args.limit:.0f} s"}
-            progress = error.stderr.decode() if isinstance(error.stderr, bytes) else (error.stderr or "")
-            reached = [line for line in progress.splitlines() if line.startswith("warm-up: ")]
-            if reached:  # where the time went: the compiled pieces and the capture that finished
-                result["warmup_progress"] = [line[len("warm-up: "):] for line in reached]
-        result["seconds"] = round(time.perf_counter() - start, 1)
-        if "updates_per_second" in result:
-            result["env_steps_per_second_at_train_ratio"] = round(
-                result["updates_per_second"] * args.batch * args.length / args.train_ratio)
+    side_by_side = [v for v in variants if v in torchrl] if args.parallel else []
+    for variant in [v for v in variants if v not in side_by_side]:
+        results.append(_finish(variant, _launch(variant, args), args))
+        _emit(results[-1], args.out)
+    running = [(variant, _launch(variant, args)) for variant in side_by_side]
+    finished = [_finish(variant, launched, args) for variant, launched in running]
+    spans = {r["variant"]: r["measured_span"] for r in finished if "measured_span" in r}
+    for result in finished:
+        if result["variant"] in spans:  # timed phases that shared the GPU would not be comparable
+            mine = spans[result["variant"]]
+            result["overlapped_with"] = [v for v, span in spans.items()
+                                         if v != result["variant"] and span[0] < mine[1] and mine[0] < span[1]]
         results.append(result)
         _emit(result, args.out)
     ok = {r["variant"]: r for r in results if "updates_per_second" in r}
@@ -277,6 +268,50 @@ def main() -> None:
         if name in ok and baseline:
             _emit({"ratio": f"{name}/torchrl", "baseline": baseline["variant"],
                    "speedup": round(ok[name]["updates_per_second"] / baseline["updates_per_second"], 2)}, args.out)
+
+
+def _launch(variant: str, args) -> tuple:
+    """Starts one variant in a process of its own (output to files, so side-by-side runs never block on a
+    full pipe), with empty compiler caches unless --warm-cache."""
+    command = [sys.executable, __file__, *sys.argv[1:], "--single", variant]
+    env = {**os.environ, "EXCLUDE_TD_FROM_PYTREE": "1"}
+    cache = tempfile.TemporaryDirectory(prefix=f"bench-{variant}-")
+    if not args.warm_cache:  # a cold compile, as on a fresh machine
+        env.update(TORCHINDUCTOR_CACHE_DIR=f"{cache.name}/inductor", TRITON_CACHE_DIR=f"{cache.name}/triton")
+    with open(f"{cache.name}/stdout", "w") as stdout, open(f"{cache.name}/stderr", "w") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+    return process, cache, time.perf_counter()
+
+
+def _finish(variant: str, launched: tuple, args) -> dict:
+    """Waits for a launched variant up to --limit from its start: its JSON line, or what stopped it."""
+    process, cache, start = launched
+    with cache:
+        try:
+            process.wait(timeout=max(0.0, args.limit - (time.perf_counter() - start)))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            timed_out = True
+        stdout = Path(cache.name, "stdout").read_text()
+        stderr = Path(cache.name, "stderr").read_text()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if timed_out:
+        result = {"variant": variant, "error": f"did not finish warm-up and measurement within {args.limit:.0f} s"}
+        reached = [line for line in stderr.splitlines() if line.startswith("warm-up: ")]
+        if reached:  # where the time went: the compiled pieces and the capture that finished
+            result["warmup_progress"] = [line[len("warm-up: "):] for line in reached]
+    elif process.returncode or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        result = {"variant": variant, "error": f"exit {process.returncode}: {' | '.join(tail)}"}
+    else:
+        result = json.loads(lines[-1])
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    if "updates_per_second" in result:
+        result["env_steps_per_second_at_train_ratio"] = round(
+            result["updates_per_second"] * args.batch * args.length / args.train_ratio)
+    return result
 
 
 def _emit(record: dict, out: str | None) -> None:
