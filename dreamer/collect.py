@@ -504,20 +504,20 @@ class Ingest:
 
 
 def start_workers(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
-                  learner: torch.device, cudagraph: bool, replay) -> tuple:
+                  cudagraph: bool, replay) -> tuple:
     """`run.collect=workers`: the inference server on `device` (started), then `run.envs` workers feeding
     `replay`; returns (inference, pool). Raises CollectionError, one line, when the server cannot start.
 
-    `run.inference=auto` puts the server in a process of its own when it has a GPU to itself, and in a
-    thread of the trainer when it shares the learner's: kernels of two processes on one GPU take turns
-    (time slices), while two streams of one process run side by side.
+    `run.inference=auto` puts a GPU server in a process of its own, also when it shares the learner's GPU:
+    measured on one H200 (BENCHMARKS.md), the learner is busier and collection faster that way than with
+    the server as a thread, whose Python competes with the trainer's for one interpreter lock. A CPU
+    server runs as a thread of the trainer.
     """
     from omegaconf import OmegaConf
 
     from dreamer.inference import Inference
 
-    own_process = cfg.run.inference == "process" or (
-        cfg.run.inference == "auto" and device.type == "cuda" and device != learner)
+    own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and device.type == "cuda")
     inference = Inference(policy, layout, size, cfg.run.envs, device, cudagraph,
                           batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
     try:

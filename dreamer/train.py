@@ -131,7 +131,7 @@ def train(cfg: DictConfig) -> None:
     if workers:
         try:
             inference, pool = start_workers(cfg, agent.policy, layout, settings.size, settings.topology.inference,
-                                            device, settings.cudagraph, replay)
+                                            settings.cudagraph, replay)
         except CollectionError as error:
             raise RunError(str(error)) from None
         # At most a chunk per worker ahead of the loop (backpressure: see Ingest).

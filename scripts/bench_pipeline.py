@@ -102,8 +102,7 @@ class Pipeline:
     def start_collection(self) -> None:
         args = self.args
         device = torch.device(args.inference_device or args.device)
-        self.own_process = args.inference == "process" or (
-            args.inference == "auto" and device.type == "cuda" and device != self.device)
+        self.own_process = args.inference == "process" or (args.inference == "auto" and device.type == "cuda")
         self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs, device,
                                    cudagraph=self.cuda, batch_wait=args.inference_wait_ms / 1000,
                                    process=self.own_process).start()
