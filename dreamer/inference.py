@@ -16,6 +16,7 @@ inside a CUDA graph, while the server reads its copy. `WeightSync` refreshes the
 from __future__ import annotations
 
 import copy
+import gc
 import multiprocessing
 import os
 import queue
@@ -367,7 +368,8 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
                     os._exit(1)
                 done.release()
 
-    threading.Thread(target=apply_loop, daemon=True, name="dreamer-weight-apply").start()
+    applier = threading.Thread(target=apply_loop, daemon=True, name="dreamer-weight-apply")
+    applier.start()
     conn.send("ready")
     parent = os.getppid()
     while not stop.is_set() and server.is_alive and os.getppid() == parent:
@@ -377,6 +379,12 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
                 forward = list(server._forward_ms)
             conn.send((server.stats(), forward))
     server.shutdown()
+    stop.set()
+    applier.join(timeout=2)
+    # Let go of the trainer's CUDA IPC staging tensors before exiting: a consumer that exits holding them
+    # never tells the trainer (their producer), which then warns at its own exit that they were not released.
+    staging.clear()
+    gc.collect()
 
 
 class Inference:
