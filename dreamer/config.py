@@ -163,7 +163,7 @@ def validate(cfg: DictConfig) -> Settings:
     model["mults"] = tuple(model["mults"])
     return Settings(
         topology=topology,
-        # auto: compile on CUDA (1.5 to 2 minutes of warm-up on an H200, BENCHMARKS.md), not on CPU.
+        # auto: compile on CUDA (30 to 90 s of warm-up on an H200, BENCHMARKS.md), not on CPU.
         compile=_flag(cfg.run.compile, cuda, "run.compile"),
         cudagraph=_flag(cfg.run.cudagraph, cuda, "run.cudagraph") and cuda,
         bf16=cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cuda),

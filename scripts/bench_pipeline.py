@@ -28,8 +28,10 @@ One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated
             updates inside the blocks (a block's start, where the first batch is fetched with the device
             idle, and its final drain are left out: training has neither).
 
-A last line holds the ratios (b)/(a) and (d). Learner warm-up (compile, capture) comes first and is
-reported, not timed in any phase.
+With `--rounds N` the collect and train phases alternate N times (one line per phase, with its round);
+(b)/(a) is then over all rounds, so that a drift of the collection rate over the run (the machine's other
+load, replay growing) weighs on both sides alike. A last line holds the ratios (b)/(a) and (d). Learner
+warm-up (compile, capture) comes first and is reported, not timed in any phase.
 """
 
 from __future__ import annotations
@@ -322,10 +324,14 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="FILE",
                         help="record every thread's stacks during phase (d) with py-spy (collapsed stacks)")
     parser.add_argument("--seconds", type=float, default=30, help="length of the collect and train phases")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="collect and train phases alternate this many times; (b)/(a) is over all of them")
     parser.add_argument("--overhead-updates", type=int, default=30)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     # `kill -USR1 <pid>` (or `timeout -s USR1`) prints every thread's stack: where a stuck phase waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -362,15 +368,20 @@ def main() -> None:
             faulthandler.cancel_dump_traceback_later()
 
     p.start_collection()
+    service = "process" if p.own_process else "thread"
     try:
-        a = watched(phase_collect, p, args.seconds)
-        emit(a)
-        # The passes of the collect phase: the server alone on its device (the learner idle).
-        emit({**phase_inference(p), "phase": "inference_alone", "service": "process" if p.own_process else "thread"})
-        b = watched(phase_train, p, args.seconds)
-        emit(b)
-        # The passes of the train phase: the server beside a learner that trains at the ratio.
-        emit({**phase_inference(p), "service": "process" if p.own_process else "thread"})
+        collected, trained = [], []
+        for round_ in range(args.rounds):  # collect, train, collect, train, ...: a drift hits both alike
+            a = watched(phase_collect, p, args.seconds)
+            collected.append(a["env_steps_per_s"])
+            emit({**a, "round": round_} if args.rounds > 1 else a)
+            if round_ == args.rounds - 1:  # the passes of the collect phase: the server beside an idle learner
+                emit({**phase_inference(p), "phase": "inference_alone", "service": service})
+            b = watched(phase_train, p, args.seconds)
+            trained.append(b["env_steps_per_s"])
+            emit({**b, "round": round_} if args.rounds > 1 else b)
+        # The passes of the last train phase: the server beside a learner that trains at the ratio.
+        emit({**phase_inference(p), "service": service})
         spy = _py_spy(args.py_spy) if args.py_spy else None
         try:
             d = watched(phase_overhead, p, args.overhead_updates)
@@ -379,9 +390,11 @@ def main() -> None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                 spy.wait(timeout=60)
         emit(d)
-        collected = a["env_steps_per_s"]
-        ratio = round(b["env_steps_per_s"] / collected, 4) if collected else None
+        # (b)/(a) over all rounds (phases of equal length: the ratio of the summed rates)
+        ratio = round(sum(trained) / sum(collected), 4) if sum(collected) else None
+        by_round = [round(t / c, 4) if c else None for t, c in zip(trained, collected)]
         emit({"phase": "ratios", "train_over_collect": ratio,
+              **({"train_over_collect_by_round": by_round} if args.rounds > 1 else {}),
               "write_back_and_sampling_overhead": d["overhead"],
               "steady_write_back_and_sampling_overhead": d["steady_overhead"], "worker_restarts": p.pool.restarts})
     finally:

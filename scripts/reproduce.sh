@@ -5,11 +5,12 @@
 #                                             # side by side (their warm-up is minutes of CPU compile)
 #   bash scripts/reproduce.sh learner-12m     # size12m image, 16 x 64: the same
 #   bash scripts/reproduce.sh learner-50m     # size50m image, 32 x 256: the same
-#   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: the same
+#   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: ours, then torchrl's scan configuration
 #   bash scripts/reproduce.sh learner-cl      # ours with channels-last CNNs at both 32 x 256 sizes
-#   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU: 50 ms with the
-#                                             # server as a thread, then as a process; 0 ms (process, then
-#                                             # thread); replay cost
+#   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU, 50 ms per step:
+#                                             # the server as a process, then as a thread (two rounds each)
+#   bash scripts/reproduce.sh pipeline-0ms    # the same at 0 ms (learner-bound), process then thread;
+#                                             # replay cost
 #   bash scripts/reproduce.sh pipeline-16     # 16 workers at 50 ms (one per core), server as a thread
 #   bash scripts/reproduce.sh pipeline-host   # 64 workers at 50 ms, the trainer's host side: chunks added
 #                                             # in the ingest thread, then inline; then 2 intra-op threads
@@ -34,9 +35,12 @@ case "${1:-}" in
     shape=(--batch 32 --length 256 --obs image)
     [ "$model" = size1m ] && shape=(--batch 16 --length 64 --obs vector)
     [ "$model" = size12m ] && shape=(--batch 16 --length 64 --obs image)
-    # size1m: neither of torchrl's configurations warmed up within 160 s there; both get 470 s, side by side.
-    variants=(--variant ours,torchrl_scan --limit 280)
+    # torchrl's configurations compile for minutes (size1m: 148 s and 294 s; size50m: 225 s for the scan
+    # one, and its whole-step one had not finished in 330 s): both run side by side after ours, 440 s each.
+    # size200m: the scan configuration alone (two of torchrl's steppers at once would need 130+ GiB).
+    variants=(--variant ours,torchrl_step,torchrl_scan --parallel --limit 440)
     [ "$model" = size1m ] && variants=(--variant ours,torchrl_step,torchrl_scan --parallel --limit 470)
+    [ "$model" = size200m ] && variants=(--variant ours,torchrl_scan --limit 280)
     $PY scripts/bench_learner.py --device cuda --model "$model" "${shape[@]}" "${variants[@]}" \
       --out "$OUT/learner-$model.jsonl"
     ;;
@@ -47,10 +51,13 @@ case "${1:-}" in
     done
     ;;
   pipeline)
+    # Two rounds of collect-then-train phases: (b)/(a) moved by several % from phase to phase.
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0.05 --seconds 25 --inference thread --out "$OUT/pipeline-50ms.jsonl"
+      --latency 0.05 --seconds 15 --rounds 2 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-      --latency 0.05 --seconds 25 --inference process --out "$OUT/pipeline-50ms-process.jsonl"
+      --latency 0.05 --seconds 15 --rounds 2 --inference thread --out "$OUT/pipeline-50ms.jsonl"
+    ;;
+  pipeline-0ms)
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
       --latency 0 --seconds 10 --inference process --out "$OUT/pipeline-0ms-process.jsonl"
     $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \

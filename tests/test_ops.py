@@ -87,12 +87,15 @@ def test_benchmark_and_baseline_scripts_run(workdir):
 
 
 def test_learner_benchmark_runs_on_cpu(workdir):
-    """Both variants run in their own processes and the ratio line follows (timings are not checked)."""
+    """Both variants run in their own processes and the ratio line follows (timings are not checked);
+    --parallel starts torchrl's after ours and checks its timed phase against the others side by side."""
     bench = _python([str(ROOT / "scripts" / "bench_learner.py"), "--device", "cpu", "--model", "tiny", "--batch", "2",
-                     "--length", "8", "--updates", "2", "--out", "bench.jsonl"], workdir)
+                     "--length", "8", "--updates", "2", "--parallel", "--out", "bench.jsonl"], workdir)
     assert bench.returncode == 0, bench.stderr[-2000:]
     rows = [json.loads(line) for line in bench.stdout.strip().splitlines()]
     assert [r.get("variant") for r in rows[:2]] == ["ours", "torchrl_eager"]
+    assert rows[1]["overlapped_with"] == [] and "overlapped_with" not in rows[0]
+    assert rows[0]["measured_span"][1] <= rows[1]["measured_span"][0]  # ours ran to its end first
     assert all(r["updates_per_second"] > 0 and r["gflop_per_update"] > 0 for r in rows[:1])
     assert rows[2]["ratio"] == "ours/torchrl" and rows[2]["speedup"] > 0
     assert len((workdir / "bench.jsonl").read_text().splitlines()) == 3
@@ -101,12 +104,19 @@ def test_learner_benchmark_runs_on_cpu(workdir):
 def test_pipeline_benchmark_runs_on_cpu(workdir):
     """Every phase reports, with 4 emulated-env workers and the CPU inference server (timings not checked)."""
     bench = _python([str(ROOT / "scripts" / "bench_pipeline.py"), "--device", "cpu", "--model", "smoke", "--batch", "4",
-                     "--length", "8", "--envs", "4", "--latency", "0.01", "--seconds", "3", "--overhead-updates",
-                     "4", "--replay", "4000", "--threads", "1", "--out", "pipeline.jsonl"], workdir)
+                     "--length", "8", "--envs", "4", "--latency", "0.01", "--seconds", "2", "--rounds", "2",
+                     "--overhead-updates", "4", "--replay", "4000", "--threads", "1", "--out", "pipeline.jsonl"], workdir)
     assert bench.returncode == 0, bench.stderr[-2000:]
-    rows = {r["phase"]: r for r in map(json.loads, (workdir / "pipeline.jsonl").read_text().splitlines())}
+    lines = [json.loads(line) for line in (workdir / "pipeline.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in lines] == ["warmup", "collect", "train", "collect", "inference_alone", "train",
+                                           "inference", "overhead", "ratios"]  # two rounds, alternating
+    assert [r["round"] for r in lines if r["phase"] in ("collect", "train")] == [0, 0, 1, 1]
+    rows = {r["phase"]: r for r in lines}  # the last of each phase
+    collected = [r["env_steps_per_s"] for r in lines if r["phase"] == "collect"]
+    trained = [r["env_steps_per_s"] for r in lines if r["phase"] == "train"]
+    assert rows["ratios"]["train_over_collect"] == round(sum(trained) / sum(collected), 4)
+    assert len(rows["ratios"]["train_over_collect_by_round"]) == 2
     assert rows["warmup"]["threads"] == 1  # --threads reached torch
-    assert list(rows) == ["warmup", "collect", "inference_alone", "train", "inference", "overhead", "ratios"]
     assert rows["collect"]["env_steps_per_s"] > 0 and rows["train"]["updates"] > 0
     assert rows["collect"]["received_env_steps_per_s"] > 0  # chunks arrived too
     assert rows["inference"]["batches"] > 0 and rows["inference"]["p99_ms"] >= rows["inference"]["p50_ms"]
