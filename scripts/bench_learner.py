@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -247,6 +248,16 @@ def main() -> None:
     ours = ["ours", "ours_cl", "ours_graph"] if cuda else ["ours"]
     groups = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}
     variants = [v for name in args.variant.split(",") for v in groups.get(name, [name])]
+    # Ctrl-C or a SIGTERM (an outer `timeout`) stops the variants still running, in their own sessions.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"bench_learner: terminated; stopped {len(_RUNNING)} variant(s)"))
+    try:
+        _run_variants(args, variants, torchrl)
+    finally:
+        for process in list(_RUNNING):
+            _stop(process)
+
+
+def _run_variants(args, variants: list[str], torchrl: list[str]) -> None:
     results = []
     side_by_side = [v for v in variants if v in torchrl] if args.parallel else []
     for variant in [v for v in variants if v not in side_by_side]:
@@ -279,8 +290,24 @@ def _launch(variant: str, args) -> tuple:
     if not args.warm_cache:  # a cold compile, as on a fresh machine
         env.update(TORCHINDUCTOR_CACHE_DIR=f"{cache.name}/inductor", TRITON_CACHE_DIR=f"{cache.name}/triton")
     with open(f"{cache.name}/stdout", "w") as stdout, open(f"{cache.name}/stderr", "w") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+        # A session of its own: a variant that runs out of time is stopped with the compiler's worker
+        # processes it started, which would otherwise go on compiling beside the next variant.
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env, start_new_session=True)
+    _RUNNING.add(process)
     return process, cache, time.perf_counter()
+
+
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Kills a variant's whole process group (it, and the compile workers it started)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    _RUNNING.discard(process)
 
 
 def _finish(variant: str, launched: tuple, args) -> dict:
@@ -291,9 +318,8 @@ def _finish(variant: str, launched: tuple, args) -> dict:
             process.wait(timeout=max(0.0, args.limit - (time.perf_counter() - start)))
             timed_out = False
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
             timed_out = True
+        _stop(process)  # also the compile workers of a variant that finished
         stdout = Path(cache.name, "stdout").read_text()
         stderr = Path(cache.name, "stderr").read_text()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
