@@ -147,11 +147,14 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
         inference.close()
 
 
-def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir):
+@pytest.mark.parametrize("service", ["thread", "process"])
+def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, service):
     result = run_train(["+debug=smoke", "run.name=workers", "run.collect=workers", "run.envs=4", "run.chunk=16",
-                        "run.steps=384", "run.train_start=192", "run.sync_every=2", "run.inference=process"], workdir, timeout=600)
+                        "run.steps=384", "run.train_start=192", "run.sync_every=2", f"run.inference={service}"],
+                       workdir, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "4 env worker processes, inference server on cpu (its own process)" in result.stdout
+    where = "its own process" if service == "process" else "a thread"
+    assert f"4 env worker processes, inference server on cpu ({where})" in result.stdout
     records = [json.loads(line) for line in (workdir / "runs" / "workers" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
