@@ -14,6 +14,9 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
 - inside the scan the weights are cast to bf16 once per update and their gradients come from "taps"
   (zeros added to each output, whose gradient is the stacked output gradient of all steps): one matmul
   per weight over all B x T rows instead of T small ones and T - 1 accumulations;
+- the scan's outputs cost no eager work between two steps of its backward: each step hands the loss tail
+  copies of its outputs (one consumer per output) and the tail works time-major, so each step's gradient
+  arrives as one contiguous block (see `_cell_fn` and `_tail_fn`);
 - the encoder stage, the RSSM cell, the imagination step and the loss tail are compiled separately
   (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager agree; the
   optimizer's multi-tensor (foreach) ops run as they are;
@@ -366,7 +369,10 @@ class Learner:
     def _cell_fn(self, state, belief, action_features, embed_part, reset, uniform, weights, taps):
         """One RSSM step on the posterior path: h[t] = f(z[t-1], h[t-1], a[t-1]), z[t] ~ q(h[t], e[t]).
 
-        Returns (h[t], posterior logits, z[t], the tapped operations' inputs)."""
+        Returns (h[t], posterior logits, z[t], the tapped operations' inputs, copies of h[t] and z[t]).
+        The next step takes h[t] and z[t], the loss tail their copies: each output then has one consumer,
+        and the compiled backward adds the two gradients inside its own kernels, where a tensor used twice
+        would make autograd add them in a kernel of its own at every step."""
         records = []
         state = torch.where(reset, 0, state)
         belief = torch.where(reset, 0, belief)
@@ -382,8 +388,8 @@ class Learner:
         i += 1
         logits = self._linear(y, *weights[i], taps[i], records)
         logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
-        state = _straight_through_categorical(logits, self.nets.posterior.unimix, uniform)
-        return belief, logits, state.flatten(-2), records
+        state = _straight_through_categorical(logits, self.nets.posterior.unimix, uniform).flatten(-2)
+        return belief, logits, state, records, belief.clone(), state.clone()
 
     def _embed_fn(self, observations, action, reset):
         """The scan's inputs for all steps at once: the observation part of the posterior's first layer
@@ -438,9 +444,19 @@ class Learner:
         return self.nets.critic_head(state, belief)
 
     def _tail_fn(self, inputs, states, beliefs, post_logits, img_states, img_beliefs, img_actions):
-        """Every loss after the two recurrences, on whole tensors; returns (total, metrics)."""
+        """Every loss after the two recurrences, on whole tensors; returns (total, metrics).
+
+        The posterior's states, beliefs and logits come time-major, [T, B, ...], and every loss that takes
+        their gradient runs in that order (its targets transposed, its means unchanged): their gradients
+        are then time-major too, so each scan step's share is a contiguous [B, ...] block, which the
+        step's compiled backward takes as it is (a strided one it would first copy, at every step)."""
         nets, settings = self.nets, self.loss
-        shape = beliefs.shape[:2]
+        length, batch = beliefs.shape[:2]
+        shape = (batch, length)
+
+        def time_major(x):  # a [B, T, ...] target in the order of the posterior tensors
+            return x.transpose(0, 1)
+
         # ---- world model ----
         prior_logits = nets.prior.rnn_to_prior_projector(beliefs)
         prior_logits = prior_logits.view(*prior_logits.shape[:-1], self.size.stoch, self.size.classes)
@@ -448,14 +464,15 @@ class Learner:
                                                        unimix=settings.model_loss.unimix)
         reco = 0.0
         if nets.vector_decoder is not None:
-            target = torch.cat([inputs[k].float() for k in self.layout.vector_keys], -1)
+            target = torch.cat([time_major(inputs[k]).float() for k in self.layout.vector_keys], -1)
             error = symlog(target) - symlog(nets.vector_decoder(states, beliefs))
-            reco = reco + error.pow(2).reshape(*shape, -1).sum(-1).mean()
+            reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
         if nets.image_decoder is not None:
-            error = inputs[IMAGE_KEY].float() / 255.0 - nets.image_decoder(states, beliefs)
-            reco = reco + error.pow(2).reshape(*shape, -1).sum(-1).mean()
-        reward_loss = two_hot_cross_entropy(nets.reward_head(states, beliefs), inputs["reward"], self.reward_bins).mean()
-        continue_target = (~inputs["terminated"]).float().squeeze(-1)
+            error = time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
+            reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
+        reward_loss = two_hot_cross_entropy(nets.reward_head(states, beliefs), time_major(inputs["reward"]),
+                                            self.reward_bins).mean()
+        continue_target = time_major(~inputs["terminated"]).float().squeeze(-1)
         continue_loss = F.binary_cross_entropy_with_logits(nets.continue_head(states, beliefs).squeeze(-1), continue_target)
         mloss = settings.model_loss
         losses = {
@@ -516,18 +533,18 @@ class Learner:
         slow_loss = two_hot_cross_entropy(value_logits, slow_value, self.value_bins)
         losses["loss_value"] = (weight * (loss + vloss.slow_critic_regularization * slow_loss)).mean()
 
-        # ---- critic on the replay sequence (trains the representation too) ----
+        # ---- critic on the replay sequence (trains the representation too; time-major, as above) ----
         with torch.no_grad():
-            bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]
+            bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]: rows in (b, t) order
             done, terminated = inputs["done"], inputs["terminated"]
-            replay_target = lambda_returns(
+            replay_target = time_major(lambda_returns(
                 inputs["reward"][:, 1:], bootstrap[:, 1:], done[:, 1:], terminated[:, 1:],
-                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda)  # [B, T-1]
-            replay_weight = (~done[:, :-1].squeeze(-1)).float()
-        replay_logits = self._critic(states, beliefs)[:, :-1]
+                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda))  # [T-1, B]
+            replay_weight = time_major(~done[:, :-1].squeeze(-1)).float()
+        replay_logits = self._critic(states, beliefs)[:-1]
         replay_loss = two_hot_cross_entropy(replay_logits, replay_target, self.value_bins)
         with torch.no_grad():
-            slow_replay = two_hot_decode(self._critic(states, beliefs, slow=True), self.value_bins)[:, :-1]
+            slow_replay = two_hot_decode(self._critic(states, beliefs, slow=True), self.value_bins)[:-1]
         replay_loss = replay_loss + vloss.slow_critic_regularization * two_hot_cross_entropy(
             replay_logits, slow_replay, self.value_bins)
         replay_value = (replay_weight * replay_loss).mean()
@@ -566,7 +583,8 @@ class Learner:
                               for k in METRICS]).detach()
         self._sums += values
         self._count += 1
-        return states.detach().float(), beliefs.detach().float()
+        return (states.detach().to(torch.float32, memory_format=torch.contiguous_format),
+                beliefs.detach().to(torch.float32, memory_format=torch.contiguous_format))
 
     def _gradients(self, total: torch.Tensor, scan: tuple[list, list]) -> list[torch.Tensor | None]:
         """d total / d params, aligned with self.params: autograd for everything, plus the scan's taps."""
@@ -608,17 +626,18 @@ class Learner:
             action_steps, embed_steps, reset_steps = action_features.unbind(1), embed_part.unbind(1), reset.unbind(1)
             beliefs, logits, states, records = [], [], [], []
             for t in range(length):
-                belief, logit, state, inputs_t = self._cell(
+                belief, logit, state, inputs_t, belief_out, state_out = self._cell(
                     state, belief, action_steps[t], embed_steps[t], reset_steps[t], uniforms[t, 1], weights,
                     [steps[t] for steps in tap_steps])
-                beliefs.append(belief), logits.append(logit), states.append(state), records.append(inputs_t)
-            beliefs, states, post_logits = torch.stack(beliefs, 1), torch.stack(states, 1), torch.stack(logits, 1)
+                beliefs.append(belief_out), logits.append(logit), states.append(state_out), records.append(inputs_t)
+            # Time-major [T, B, ...]: the loss tail's gradients come back in this order (see _tail_fn).
+            beliefs, states, post_logits = torch.stack(beliefs), torch.stack(states), torch.stack(logits)
             records = [torch.stack(column) for column in zip(*records)]
 
-            # Imagination from every posterior state, without autograd.
+            # Imagination from every posterior state, without autograd; rows in (b, t) order.
             with torch.no_grad():
-                s = states.detach().reshape(-1, states.shape[-1])
-                b = beliefs.detach().reshape(-1, beliefs.shape[-1])
+                s = states.detach().transpose(0, 1).reshape(-1, states.shape[-1])
+                b = beliefs.detach().transpose(0, 1).reshape(-1, beliefs.shape[-1])
                 img_s, img_b, img_a = [s], [b], []
                 for _ in range(self.loss.actor_loss.imagination_horizon):
                     a = self._sample_action(*self._imagine_actor(s, b))
@@ -629,7 +648,7 @@ class Learner:
 
             targets = {k: v for k, v in inputs.items() if k not in ("state", "belief", "action", "is_init")}
             total, metrics = self._tail(targets, states, beliefs, post_logits, img_s, img_b, img_a)
-        return total, metrics, states, beliefs, (taps, records)
+        return total, metrics, states.transpose(0, 1), beliefs.transpose(0, 1), (taps, records)
 
     def _sample_action(self, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
         """Actor sampling with the draws of torchrl's distributions (multinomial / standard normal)."""
