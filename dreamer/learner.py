@@ -241,8 +241,7 @@ class Learner:
         self.retnorm = loss.actor_loss.retnorm
         self._embed = _Compiled(self._embed_fn, self._report)
         self._cell = _Compiled(self._cell_fn, self._report)
-        self._imagine_actor = _Compiled(self._actor_fn, self._report)
-        self._imagine_prior = _Compiled(self._prior_fn, self._report)
+        self._imagine = _Compiled(self._imagine_fn, self._report)
         self._tail = _Compiled(self._tail_fn, self._report)
         # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
         # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
@@ -420,14 +419,29 @@ class Learner:
                 grads[bias] = rows.float().sum(0)
         return grads
 
-    def _actor_fn(self, state, belief):
-        """Imagination: the actor's distribution parameters at (state, belief)."""
+    def _imagine_fn(self, state, belief, noise, uniform, weights):
+        """One imagination step: the actor's action at (z, h), then the prior's (z', h'), on given draws.
+
+        The action is sampled as torchrl's distributions sample it, from the same draws: a one-hot action
+        is torch.multinomial's single draw, argmax(p / q) with q ~ Exp(1) (`noise`), and a continuous one
+        is mean + std * noise with noise ~ N(0, 1). With the draws made outside, sampling fuses into this
+        step's kernels, where multinomial would launch a dozen of its own (input checks included)."""
         if self.layout.discrete:
             logits = self.nets.actor_net(state, belief)
-            return logits - logits.logsumexp(-1, keepdim=True), None
-        return self.nets.actor_net(state, belief)
+            probs = torch.softmax(logits - logits.logsumexp(-1, keepdim=True), -1)
+            action = F.one_hot((probs / noise).argmax(-1), probs.shape[-1]).to(probs.dtype)
+        else:
+            mean, std = self.nets.actor_net(state, belief)
+            action = mean + std * noise.to(mean.dtype)
+        state, belief = self._prior_step(state, belief, action, uniform, weights)
+        return state, belief, action
 
-    def _prior_fn(self, state, belief, action, uniform, weights):
+    def _imagination_noise(self, rows: int) -> torch.Tensor:
+        """The actor's draw for one imagination step (see _imagine_fn): Exp(1) or N(0, 1), [rows, actions]."""
+        noise = torch.empty(rows, self.layout.action_dim, device=self.device)
+        return noise.exponential_() if self.layout.discrete else noise.normal_()
+
+    def _prior_step(self, state, belief, action, uniform, weights):
         """Imagination: one prior step with a given uniform draw."""
         rnn = self.nets.prior.rnn
         action_features = rnn.action_projection(action / action.detach().abs().clamp_min(1))
@@ -640,24 +654,15 @@ class Learner:
                 b = beliefs.detach().transpose(0, 1).reshape(-1, beliefs.shape[-1])
                 img_s, img_b, img_a = [s], [b], []
                 for _ in range(self.loss.actor_loss.imagination_horizon):
-                    a = self._sample_action(*self._imagine_actor(s, b))
+                    noise = self._imagination_noise(s.shape[0])  # the draws in torchrl's order: action, prior
                     uniform = torch.rand(s.shape[0], self.size.stoch, device=self.device)
-                    s, b = self._imagine_prior(s, b, a, uniform, weights)
+                    s, b, a = self._imagine(s, b, noise, uniform, weights)
                     img_s.append(s), img_b.append(b), img_a.append(a)
                 img_s, img_b, img_a = torch.stack(img_s, 1), torch.stack(img_b, 1), torch.stack(img_a, 1)
 
             targets = {k: v for k, v in inputs.items() if k not in ("state", "belief", "action", "is_init")}
             total, metrics = self._tail(targets, states, beliefs, post_logits, img_s, img_b, img_a)
         return total, metrics, states.transpose(0, 1), beliefs.transpose(0, 1), (taps, records)
-
-    def _sample_action(self, first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
-        """Actor sampling with the draws of torchrl's distributions (multinomial / standard normal)."""
-        if second is None:  # normalized log-probabilities of a one-hot categorical
-            probs = torch.softmax(first, -1)
-            index = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, True)
-            return F.one_hot(index.squeeze(-1), probs.shape[-1]).to(probs.dtype)
-        noise = torch.empty_like(first).normal_()
-        return first + second * noise
 
     # ---- public API ------------------------------------------------------------------------------
 
@@ -692,7 +697,7 @@ class Learner:
         start = time.perf_counter()
         saved = self._snapshot()
         if self.compile:
-            for piece in (self._embed, self._cell, self._imagine_actor, self._imagine_prior, self._tail):
+            for piece in (self._embed, self._cell, self._imagine, self._tail):
                 piece.enable()
         inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
         if self.cudagraph:

@@ -80,8 +80,9 @@ def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int, device) 
     return td.to(device)
 
 
-def _profile(update, count: int, cuda: bool) -> dict:
-    """Kernels per update and the fraction of wall time some kernel ran (union of kernel intervals)."""
+def _profile(update, count: int, cuda: bool, table: str | None = None) -> dict:
+    """Kernels per update and the fraction of wall time some kernel ran (union of kernel intervals);
+    `table`: also write every kernel name with its launches and microseconds per update (TSV)."""
     if not cuda:
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -107,6 +108,16 @@ def _profile(update, count: int, cuda: bool) -> dict:
         entry = by_name.setdefault(e.name[:70], [0, 0.0])
         entry[0] += 1
         entry[1] += e.time_range.end - e.time_range.start
+    if table:
+        full: dict[str, list] = {}
+        for e in kernels:
+            entry = full.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.end - e.time_range.start
+        rows = sorted(full.items(), key=lambda kv: -kv[1][1])
+        Path(table).parent.mkdir(parents=True, exist_ok=True)
+        Path(table).write_text("launches_per_update\tus_per_update\tkernel\n" + "".join(
+            f"{n / count:.1f}\t{us / count:.1f}\t{name}\n" for name, (n, us) in rows))
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     breakdown = [[name, round(n / count, 1), round(us / 1e3 / count, 3)] for name, (n, us) in top]
     return {"top_kernels_by_time": breakdown,"kernels_per_update": round(len(kernels) / count), "gpu_busy": round(busy / span, 3),
@@ -150,8 +161,8 @@ def run_single(args) -> dict:
         learner.warmup(batch)
         result["warmup_seconds"] = round(time.perf_counter() - start, 1)
         result["compile_seconds"] = {name: round(piece.compile_seconds, 1) for name, piece in (
-            ("embed", learner._embed), ("cell", learner._cell), ("imagine_actor", learner._imagine_actor),
-            ("imagine_prior", learner._imagine_prior), ("tail", learner._tail)) if piece.compile_seconds is not None}
+            ("embed", learner._embed), ("cell", learner._cell), ("imagine", learner._imagine),
+            ("tail", learner._tail)) if piece.compile_seconds is not None}
 
         def update():
             learner.update(batch)
@@ -196,7 +207,8 @@ def run_single(args) -> dict:
         times = [b.elapsed_time(e) / 1e3 for b, e in times]
     median = statistics.median(times)
     result.update({"ms_per_update": round(median * 1e3, 2), "updates_per_second": round(1 / median, 2)})
-    result.update(_profile(update, args.profile, cuda))
+    table = f"{args.kernel_tables}/kernels-{args.model}-{args.single}.tsv" if args.kernel_tables else None
+    result.update(_profile(update, args.profile, cuda, table))
     result["measured_span"] = [round(measured_from, 2), round(time.time(), 2)]
     if args.single.startswith("ours"):
         metrics = learner.drain()
@@ -228,6 +240,8 @@ def main() -> None:
                         help="reuse the compiler caches (default: each variant compiles from an empty cache)")
     parser.add_argument("--updates", type=int, default=30, help="timed updates (median)")
     parser.add_argument("--profile", type=int, default=5, help="profiled updates")
+    parser.add_argument("--kernel-tables", metavar="DIR",
+                        help="write each variant's profiled kernels (name, launches and us per update) to DIR")
     parser.add_argument("--limit", type=float, default=540, help="seconds per variant, warm-up included")
     parser.add_argument("--train-ratio", type=float, default=16, help="for the implied env steps/s")
     parser.add_argument("--no-flops", dest="flops", action="store_false")
