@@ -629,8 +629,9 @@ class Learner:
             reset = inputs["is_init"]
             embed_part, action_features = self._embed(observations, inputs["action"], reset)
             uniforms = torch.rand(length, 2, batch, self.size.stoch, device=self.device)
-            taps = [torch.zeros(length, batch, width, dtype=dtype, device=self.device, requires_grad=True)
-                    for _, _, _, width in self._specs]
+            widths = [width for _, _, _, width in self._specs]  # all taps in one zero buffer: one fill
+            taps = torch.zeros(length, batch, sum(widths), dtype=dtype, device=self.device,
+                               requires_grad=True).split(widths, -1)
             tap_steps = [tap.unbind(0) for tap in taps]
             state, belief = inputs["state"], inputs["belief"]
             if self.compile:  # a carry that always requires grad: one compiled variant of the cell, not two
