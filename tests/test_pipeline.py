@@ -160,7 +160,11 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
     assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
     assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
     assert train[-1]["inference/p99_ms"] >= train[-1]["inference/p50_ms"] > 0
-    assert 0 < train[-1]["inference/busy"] and 0 < train[-1]["learner/busy"] <= 1.01
+    # A record's window can hold chunks that were collected before it began (no pass or update in it):
+    # busy is checked over the run, not in the last record alone.
+    for key in ("inference/busy", "learner/busy"):
+        assert all(r[key] >= 0 for r in train) and any(r[key] > 0 for r in train), key
+    assert all(r["learner/busy"] <= 1.01 for r in train)
     # scripts/run_figures.py: the same records split at the first update
     figures = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_figures.py"), "runs/workers"], cwd=workdir,
                              capture_output=True, text=True, timeout=120)
