@@ -43,7 +43,7 @@ case "${1:-}" in
     [ "$model" = size1m ] && variants=(--variant ours,torchrl_step,torchrl_scan --parallel --limit 470)
     [ "$model" = size200m ] && variants=(--variant ours,torchrl_scan --limit 280)
     $PY scripts/bench_learner.py --device cuda --model "$model" "${shape[@]}" "${variants[@]}" \
-      --out "$OUT/learner-$model.jsonl"
+      --kernel-tables "$OUT" --out "$OUT/learner-$model.jsonl"
     ;;
   learner-cl)
     # size200m, where cuDNN's convolutions take 108 of 286 ms: ours as it is, then ours and ours with
