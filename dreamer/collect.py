@@ -15,14 +15,19 @@ batched inference server (`dreamer.inference`): each worker sends its records to
 `run.chunk` consecutive records over its own pipe; `Ingest`, a thread of the trainer, adds them to
 replay beside the training loop's updates. A worker that dies (killed, crashed) is restarted in
 place; the records it had not sent yet are lost, its replay stream is ended as truncated at the last
-record the trainer received, and the new worker starts a fresh episode.
+record the trainer received, and the new worker starts a fresh episode. A worker that stops stepping
+(a hung simulator, a stopped process) is killed by the pool's own thread, never by a reader of its
+pipe, which a worker stopped halfway through a message would block; its death then unblocks that
+reader and it is restarted like any dead worker. Workers die with the trainer (`dreamer.reaper`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -34,6 +39,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase, ExplorationType, set_exploration_type
 
+from dreamer import reaper
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
 FLAGS = ("done", "terminated")
@@ -264,8 +270,10 @@ class Chunk:
 
 
 def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, client,
-                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int, stepped=None) -> None:
+                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int, stepped,
+                 trainer: int) -> None:
     """One env worker: steps its env with the server's actions and sends chunks until `stop` is set."""
+    reaper.bind(trainer)  # first: it dies with the trainer, however that dies
     from omegaconf import OmegaConf
 
     from dreamer.envs import make_env
@@ -293,8 +301,7 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
         while not stop.is_set():
             record, ended = collector.step()
             records.append(record)
-            if stepped is not None:  # this worker's slot only: no lock
-                stepped[index] += 1
+            stepped[index] += 1  # this worker's slot only: no lock
             episodes += [Episode(index, e.score, e.length, e.truncated_by_fault, e.stats) for e in ended]
             if len(records) >= chunk:
                 writer.send(Chunk(index, torch.cat(records), episodes, collector.restarts - restarts))
@@ -312,36 +319,51 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
 class WorkerPool:
     """`len(clients)` env worker processes (spawned), their chunk pipes, and their restarts.
 
-    `on_restart(stream)` runs in the trainer before a dead worker's replacement starts (the replay
-    stream is ended there, and the inference slot cleared). A worker that sends nothing for
-    `stall_seconds` (a hung simulator) is killed and restarted the same way. A worker that dies
-    `max_restarts` times without delivering a chunk in between stops collection with a CollectionError.
+    `on_restart(stream)` runs in the caller of `receive` before a dead worker's replacement starts (the
+    replay stream is ended there, and the inference slot cleared). A worker that takes no step for
+    `stall_seconds` (a hung simulator, a stopped process) while no chunk of it waits unread is killed
+    by the pool's thread and restarted the same way. A worker that dies `max_restarts` times without
+    delivering a chunk in between stops collection with a CollectionError.
+
+    The pool's thread (the watchdog) also starts the replacements: a worker dies with the thread that
+    started it (`dreamer.reaper`), and this thread lives as long as the pool, unlike a reader's.
     """
 
     def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
                  chunk: int = 64, suite: str = "env", max_restarts: int = 10,
                  on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0):
+        reaper.guard()  # before the pool makes its first semaphores
         self.args = (env_cfg, seed, layout, size)
         self.clients, self.chunk, self.suite, self.max_restarts = clients, chunk, suite, max_restarts
         self.on_restart = on_restart
         self.stall_seconds = stall_seconds
-        self.stalls = 0  # workers killed for sending nothing in stall_seconds
+        self.stalls = 0  # workers killed for taking no step in stall_seconds
         self.context = multiprocessing.get_context("spawn")
         self.stop = self.context.Event()
         n = len(clients)
         self.processes: list = [None] * n
-        self.pipes: list[Connection | None] = [None] * n
-        self.heard = [0.0] * n  # when each worker last sent a chunk, or was started
+        self.pipes: list[Connection | None] = [None] * n  # None: dead, its replacement not started yet
+        self.progress = [0.0] * n  # when each worker was started, last stepped, or had a chunk waiting
         self.deaths = [0] * n  # deaths in a row, per worker
         self.restarts = 0  # worker restarts plus env rebuilds inside workers
         self.read_seconds = 0.0  # time spent reading and unpickling chunks (not waiting for them)
         # Env steps taken by each worker so far, chunks not yet sent included (shared memory, one writer
-        # per slot): a rate over a short window is exact to the step, not to the chunk.
+        # per slot): a rate over a short window is exact to the step, not to the chunk; the watchdog's
+        # sign of life.
         self.stepped = self.context.RawArray("q", n)
+        # Guards processes and pipes: the watchdog starts and kills workers, a reader drops dead ones.
+        self._lock = threading.Lock()
+        self._reading: int | None = None  # the worker whose pipe `receive` is reading from
+        self.reading_since = 0.0  # since when
+        self._replace: queue.SimpleQueue = queue.SimpleQueue()  # dead workers for the watchdog to start
+        self._closing = False
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="dreamer-worker-watchdog")
 
     def start(self) -> WorkerPool:
-        for index in range(len(self.clients)):
-            self._spawn(index)
+        with self._lock:
+            for index in range(len(self.clients)):
+                self._spawn(index)
+        self._watchdog.start()
         return self
 
     def _spawn(self, index: int) -> None:
@@ -350,21 +372,59 @@ class WorkerPool:
         process = self.context.Process(
             target=_worker_main, name=f"dreamer-env-{index}", daemon=True,
             args=(index, env_cfg, seed, layout, size, self.clients[index], writer, self.stop, self.chunk,
-                  self.suite, self.max_restarts, self.stepped))
+                  self.suite, self.max_restarts, self.stepped, os.getpid()))
         process.start()
+        reaper.register(process.pid)
         writer.close()  # the worker holds the only writer: its death closes the pipe
         self.processes[index], self.pipes[index] = process, reader
-        self.heard[index] = time.monotonic()
+        self.progress[index] = time.monotonic()
 
-    def _restart(self, index: int) -> None:
-        process = self.processes[index]
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        self.pipes[index].close()
-        self.deaths[index] += 1
-        self.restarts += 1
+    def _watch(self) -> None:
+        """The watchdog: starts replacements and kills workers that stopped stepping (class docstring)."""
+        seen = list(self.stepped)
+        while True:
+            try:
+                replace = self._replace.get(timeout=min(0.5, self.stall_seconds / 4))
+            except queue.Empty:
+                replace = None
+            with self._lock:
+                if self._closing:
+                    return
+                if replace is not None:
+                    self._spawn(replace)
+                now = time.monotonic()
+                for index, (process, pipe) in enumerate(zip(self.processes, self.pipes)):
+                    if self.stepped[index] != seen[index]:
+                        seen[index] = self.stepped[index]
+                        self.progress[index] = now
+                    elif pipe is None or not process.is_alive():
+                        continue
+                    elif self._reading != index and pipe.poll():
+                        # A chunk waiting unread is not a stall: the trainer did not read (an evaluation,
+                        # or the reader holding back while the learner catches up).
+                        self.progress[index] = now
+                    elif now - self.progress[index] > self.stall_seconds:
+                        process.kill()  # also a stopped one; its pipe reports the death to the reader
+                        self.stalls += 1
+                        self.progress[index] = now
+
+    def _dead(self, index: int) -> None:
+        """A worker's pipe closed: it is gone. Its replacement is started by the watchdog."""
+        with self._lock:
+            self._reading = None
+            process, pipe = self.processes[index], self.pipes[index]
+            if pipe is None:  # closed meanwhile by `close`
+                return
+            self.pipes[index] = None
+            pipe.close()
+            process.join(timeout=5)  # its pipe closed when it exited: at most the time to end a process
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+            if self._closing:
+                return
+            self.deaths[index] += 1
+            self.restarts += 1
         if self.deaths[index] >= self.max_restarts:
             raise CollectionError(
                 f"{self.suite} env worker {index} died {self.deaths[index]} times in a row "
@@ -372,55 +432,77 @@ class WorkerPool:
             )
         if self.on_restart is not None:
             self.on_restart(index)
-        self._spawn(index)
+        self._replace.put(index)
 
     def receive(self, timeout: float) -> list[Chunk]:
         """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
-        now = time.monotonic()
-        for index, process in enumerate(self.processes):
-            # A chunk waiting in the pipe is not a stall: the trainer did not read (an evaluation, or
-            # the ingest thread holding back while the learner catches up).
-            if now - self.heard[index] > self.stall_seconds and process.is_alive() and not self.pipes[index].poll():
-                process.kill()  # its pipe reports the death below, and it is restarted like any other
-                self.stalls += 1
-                self.heard[index] = now
-        ready = wait([pipe for pipe in self.pipes], timeout)
+        with self._lock:
+            pipes = [pipe for pipe in self.pipes if pipe is not None]
+        if not pipes:  # every worker is dead and waits for its replacement
+            time.sleep(timeout)
+            return []
         chunks = []
-        for pipe in ready:
-            index = self.pipes.index(pipe)
+        for pipe in wait(pipes, timeout):
+            with self._lock:
+                if pipe not in self.pipes:  # closed meanwhile by `close`
+                    continue
+                index = self.pipes.index(pipe)
+                self._reading, self.reading_since = index, time.monotonic()
             start = time.perf_counter()
             try:
                 message = pipe.recv()
             except (EOFError, OSError, pickle.UnpicklingError):  # the worker died, maybe mid-message
-                self._restart(index)
+                message = None
+            self.read_seconds += time.perf_counter() - start
+            if message is None:
+                self._dead(index)
                 continue
-            finally:
-                self.read_seconds += time.perf_counter() - start
+            self._reading = None
             if isinstance(message, str):
                 raise CollectionError(message)
             self.deaths[index] = 0
-            self.heard[index] = time.monotonic()
             self.restarts += message.env_restarts
             chunks.append(message)
         return chunks
 
+    def blocked(self, seconds: float) -> bool:
+        """Whether `receive` has been reading one worker's pipe for more than `seconds` s."""
+        return self._reading is not None and time.monotonic() - self.reading_since > seconds
+
     def close(self, timeout: float = 5.0) -> None:
+        """Stops every worker within about `timeout` s: those that do not end in time are killed (also a
+        stopped one), and none is restarted from here on."""
+        with self._lock:
+            self._closing = True
         self.stop.set()
         deadline = time.monotonic() + timeout
-        for process, pipe in zip(self.processes, self.pipes):
-            if process is None:
-                continue
-            while process.is_alive() and time.monotonic() < deadline:
-                while pipe.poll():  # a worker blocked on a full pipe finishes its send, then sees stop
+        while time.monotonic() < deadline and any(p is not None and p.is_alive() for p in self.processes):
+            for index, pipe in enumerate(self.pipes):
+                # A worker blocked on a full pipe finishes its send, then sees stop. The bytes are read and
+                # dropped, not unpickled: a worker stopped halfway through a message cannot block that.
+                if pipe is not None and index != self._reading and pipe.poll():
                     try:
-                        pipe.recv()
-                    except (EOFError, OSError, pickle.UnpicklingError):
-                        break
-                process.join(timeout=0.05)
-            if process.is_alive():  # blocked on the server or in its env: not worth waiting for
+                        os.read(pipe.fileno(), 1 << 16)
+                    except OSError:
+                        pass
+            time.sleep(0.05)
+        for process in self.processes:
+            if process is not None and process.is_alive():  # blocked on the server, in its env, or stopped
                 process.kill()
-                process.join()
-            pipe.close()
+        for process in self.processes:
+            if process is not None:
+                process.join(timeout=5)
+        # A reader blocked in a recv got its end of file with the kill above; it drops that pipe itself.
+        wait_until = time.monotonic() + 2.0
+        while self._reading is not None and time.monotonic() < wait_until:
+            time.sleep(0.01)
+        with self._lock:
+            for index, pipe in enumerate(self.pipes):
+                if pipe is not None and index != self._reading:
+                    pipe.close()
+                    self.pipes[index] = None
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=5)
 
 
 class Ingest:
@@ -496,11 +578,19 @@ class Ingest:
             raise self.error
         return steps, episodes
 
-    def close(self, timeout: float = 15.0) -> None:
-        """Stops the thread (after the chunk in hand); the pool is closed by its owner afterwards."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stops the thread (after the chunk in hand); the pool is closed by its owner afterwards.
+
+        A thread that has been reading one worker's pipe for a second is blocked by a worker stopped
+        halfway through a message: it is not waited for, the pool's close kills that worker, which
+        ends the read.
+        """
         self._stop.set()
-        if self.thread.is_alive():
-            self.thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            if self.pool.blocked(1.0):
+                return
+            self.thread.join(0.05)
 
 
 def start_workers(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,

@@ -32,7 +32,9 @@ from torchrl.envs import ExplorationType, set_exploration_type
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 from torchrl.modules.inference_server._process_slot import _ProcessSlotClient
 
+from dreamer import reaper
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
+from dreamer.collect import CollectionError
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,7 +95,7 @@ class _Doorbell:
     def wait(self, timeout: float | None = None) -> bool:
         if not self.rung:
             self.rung = self.semaphore.acquire(True, timeout)
-            if not self.rung and os.getppid() == 1:  # the trainer is gone: no answer will come
+            if not self.rung and reaper.trainer_gone():  # no answer will come
                 raise SystemExit(0)
         return self.rung
 
@@ -123,7 +125,8 @@ class KillSafeSlotTransport(ProcessSlotTransport):
       writes, and x86 keeps stores in order for the server's timed sweeps, which only read. Only the
       server takes the lock. A worker killed inside the lock would otherwise stop every other worker.
     - Workers get no server-liveness Event (reading one takes its lock too); the trainer watches the
-      server, and a worker whose trainer is gone exits instead of waiting (`_Doorbell.wait`).
+      server, and a worker whose trainer is gone exits instead of waiting (`_Doorbell.wait`; it is
+      also killed then, see `dreamer.reaper`).
     """
 
     def __init__(self, request_spec, response_spec, *, num_slots: int):
@@ -248,10 +251,13 @@ class WeightSync:
     server's model lock in this process, or in the server's process). A sync requested while the
     previous one is still in flight is skipped (counted in `skipped`): staging is never overwritten
     while it is read.
+
+    `check()` runs first on each call and raises CollectionError when the server has stopped; a
+    CollectionError of `apply` (the server died during the sync) is raised as it is by the next call.
     """
 
-    def __init__(self, source: list[torch.Tensor], staging: list[torch.Tensor], apply):
-        self.source, self.staging, self.apply = source, staging, apply
+    def __init__(self, source: list[torch.Tensor], staging: list[torch.Tensor], apply, check=None):
+        self.source, self.staging, self.apply, self.check = source, staging, apply, check
         self.applied = self.skipped = 0
         self.error: BaseException | None = None
         self.idle = threading.Event()
@@ -262,6 +268,10 @@ class WeightSync:
 
     def __call__(self) -> bool:
         """Starts one sync; False when it was skipped because the previous one is still in flight."""
+        if self.check is not None:
+            self.check()
+        if isinstance(self.error, CollectionError):
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"weight sync failed: {self.error}") from self.error
         if not self.idle.is_set():
@@ -349,8 +359,10 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, cudagraph: bool, explore: bool,
-           batch_wait: float, request: TensorDict, staging: list[torch.Tensor], ready, done, conn, stop) -> None:
+           batch_wait: float, request: TensorDict, staging: list[torch.Tensor], ready, done, conn, stop,
+           trainer: int) -> None:
     """The server's own process: torchrl's server on `device`, weight syncs from staging, stats on request."""
+    reaper.bind(trainer)  # first: it dies with the trainer, however that dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop (it saves first)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     policy = policy.to(device).eval().requires_grad_(False)
@@ -371,8 +383,7 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
     applier = threading.Thread(target=apply_loop, daemon=True, name="dreamer-weight-apply")
     applier.start()
     conn.send("ready")
-    parent = os.getppid()
-    while not stop.is_set() and server.is_alive and os.getppid() == parent:
+    while not stop.is_set() and server.is_alive and not reaper.trainer_gone():
         if conn.poll(0.5):
             conn.recv()
             with server._stats_lock:
@@ -408,6 +419,7 @@ class Inference:
         process: bool = False,
         startup_timeout: float = 600.0,
     ):
+        reaper.guard()  # before the transport makes the run's first semaphores
         self.device = torch.device(device)
         self._last_stats: tuple[int, float] | None = None  # (passes served, when): see stats
         request, response = request_spec(layout, size), response_spec(layout, size)
@@ -423,7 +435,7 @@ class Inference:
                                        batch_wait, request)
             target = _tensors(served)
             self.sync = WeightSync(source, [torch.empty_like(t) for t in target],
-                                   lambda: _copy_into(self.server, target, self.sync.staging))
+                                   lambda: _copy_into(self.server, target, self.sync.staging), self.check)
             return
         staging = [torch.empty_like(t, device=self.device) for t in _tensors(served)]
         if self.device.type == "cpu":
@@ -434,22 +446,22 @@ class Inference:
         self.process = context.Process(
             target=_serve, name="dreamer-inference", daemon=True,
             args=(served.cpu(), self.transport, clients, self.device, cudagraph, explore, batch_wait, request,
-                  staging, ready, done, child, self._stop))
+                  staging, ready, done, child, self._stop, os.getpid()))
         self.startup_timeout = startup_timeout
 
         def apply() -> None:  # the server's process copies staging in between two passes
             ready.release()
             while not done.acquire(True, 1.0):
-                if not self.process.is_alive():
-                    raise RuntimeError("the inference server process is gone")
+                self.check()
 
-        self.sync = WeightSync(source, staging, apply)
+        self.sync = WeightSync(source, staging, apply, self.check)
 
     def start(self) -> Inference:
         if self.process is None:
             self.server.start()
             return self
         self.process.start()
+        reaper.register(self.process.pid)
         deadline = time.monotonic() + self.startup_timeout
         while not self._conn.poll(1.0):
             if not self.process.is_alive() or time.monotonic() > deadline:
@@ -468,14 +480,34 @@ class Inference:
     def alive(self) -> bool:
         return self.server.is_alive if self.process is None else self.process.is_alive()
 
-    def snapshot(self) -> tuple[dict, list[float]]:
-        """torchrl's server statistics and the durations of the recent passes (ms, host to device and back)."""
+    def check(self) -> None:
+        """Raises CollectionError, one line, when the server has stopped."""
+        if not self.alive:
+            code = "" if self.process is None else f" (exit code {self.process.exitcode})"
+            raise CollectionError(f"the inference server stopped{code}")
+
+    def snapshot(self, timeout: float = 60.0) -> tuple[dict, list[float]]:
+        """torchrl's server statistics and the durations of the recent passes (ms, host to device and back).
+
+        Raises CollectionError when the server has stopped, or gives no answer within `timeout` s.
+        """
+        self.check()
         if self.process is None:
             with self.server._stats_lock:
                 forward = list(self.server._forward_ms)
             return self.server.stats(), forward
-        self._conn.send("stats")
-        return self._conn.recv()
+        deadline = time.monotonic() + timeout
+        try:
+            self._conn.send("stats")
+            while not self._conn.poll(0.5):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise CollectionError(f"the inference server gave no answer in {timeout:.0f} s")
+            return self._conn.recv()
+        except (OSError, EOFError):  # its end of the pipe closed: it is ending
+            self.process.join(timeout=5)
+            self.check()
+            raise CollectionError("the inference server closed its connection") from None
 
     def stats(self) -> dict[str, float]:
         """The server's figures for a metrics record. busy: the fraction of the time since the previous
@@ -514,7 +546,7 @@ class Inference:
             return
         self._stop.set()
         if self.process.pid is not None:
-            self.process.join(timeout=10)
+            self.process.join(timeout=5)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()

@@ -1,0 +1,135 @@
+"""Nothing of a run outlives its trainer: not its worker processes, not its named semaphores.
+
+Two mechanisms, because each covers what the other cannot:
+
+- Every child of the trainer (env workers, the inference server) calls `bind(trainer)` first: the
+  kernel sends it SIGKILL when the trainer dies (PR_SET_PDEATHSIG), however the trainer dies and
+  whoever adopts the child afterwards (pid 1, a subreaper such as `tini -s` or a systemd user
+  session). The signal fires when the *thread* that started the child exits, so children are only
+  started from threads that live as long as the run (the main thread, the worker pool's own thread).
+  A child whose trainer died before the request took effect sees a different parent and exits.
+  SIGKILL also ends a stopped child. `trainer_gone()` is the same test for a child's waiting loops.
+
+- multiprocessing's spawn context makes named POSIX semaphores (`/dev/shm/sem.mp-*`), which only
+  their finalizers or multiprocessing's resource tracker unlink. `kill -9` of the trainer's process
+  group kills the tracker too, and the names stay until the machine reboots. `guard()` therefore names
+  the run's semaphores after the trainer's pid (multiprocessing's `semprefix`, the one place a private
+  attribute of it is touched) and starts a reaper: a process in a session of its own, so a signal to the
+  trainer's group does not reach it. It waits for the trainer to end (a pidfd, and the end of a pipe
+  only the trainer writes to), then SIGKILLs the children the trainer registered that are still alive
+  (matched by start time, never a reused pid) and unlinks the semaphores carrying the trainer's pid.
+  After a clean exit there is nothing left to do, and it exits as well. It runs this file with the
+  standard library only (`python -I -S`), so it starts in milliseconds and imports nothing of the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import multiprocessing
+import os
+import select
+import signal
+import subprocess
+import sys
+
+PR_SET_PDEATHSIG = 1
+SHM = "/dev/shm"
+
+_trainer: int | None = None  # in a child: the pid of the trainer that started it
+_reaper: tuple[int, subprocess.Popen] | None = None  # in the trainer: (its pid, the reaper)
+
+
+def semaphore_prefix(trainer: int) -> str:
+    """The name prefix of the semaphores of the run whose trainer has pid `trainer`."""
+    return f"/mp-dreamer{trainer}"
+
+
+def _name_semaphores(trainer: int) -> None:
+    multiprocessing.current_process()._config["semprefix"] = semaphore_prefix(trainer)
+
+
+def bind(trainer: int) -> None:
+    """In a child of the trainer, before anything else: die with the trainer (module docstring)."""
+    global _trainer
+    _trainer = trainer
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != trainer:  # it died before the request took effect: no signal will come
+        os._exit(0)
+    _name_semaphores(trainer)
+
+
+def trainer_gone() -> bool:
+    """In a child bound to its trainer: whether the trainer has died (the child was adopted)."""
+    return _trainer is not None and os.getppid() != _trainer
+
+
+def guard() -> None:
+    """In the trainer, before its first multiprocessing semaphore: names them and starts the reaper (once)."""
+    global _reaper
+    if _reaper is not None and _reaper[0] == os.getpid():
+        return
+    _name_semaphores(os.getpid())
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid())],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+    _reaper = (os.getpid(), reaper)
+
+
+def register(pid: int) -> None:
+    """In the trainer: the reaper kills child `pid` if it is still alive when the trainer has died."""
+    if _reaper is None or _reaper[0] != os.getpid():
+        return
+    try:  # a few bytes: one atomic write that never waits on a reader this fast
+        os.write(_reaper[1].stdin.fileno(), f"{pid}\n".encode())
+    except OSError:  # the reaper is gone; the children still die with the trainer (bind)
+        pass
+
+
+def _started(pid: int) -> str | None:
+    """The start time of process `pid` (ticks since boot), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _reap(trainer: int) -> None:
+    """The reaper process: waits for the trainer to end, then removes what is left of its run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children: dict[int, str] = {}
+    watched = [sys.stdin.fileno()]
+    try:
+        watched.append(os.pidfd_open(trainer))
+    except (AttributeError, OSError):  # no pidfd (an old kernel): the pipe's end alone tells
+        pass
+    pending = b""
+    while True:
+        ready = select.select(watched, [], [])[0]
+        if watched[0] not in ready:  # the pidfd: the trainer has ended
+            break
+        data = os.read(watched[0], 4096)
+        if not data:  # the trainer's end of the pipe closed: it has ended
+            break
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            started = _started(int(line))
+            if started is not None:
+                children[int(line)] = started
+    for pid, started in children.items():
+        if _started(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for path in glob.glob(os.path.join(SHM, "sem." + semaphore_prefix(trainer).lstrip("/") + "-*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    _reap(int(sys.argv[1]))
