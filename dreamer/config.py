@@ -7,12 +7,13 @@ Two stages, both before any environment or model is built:
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dreamer.agent import LossSettings, ModelSize
 from dreamer.envs import EnvConfigError, check_task
@@ -95,9 +96,61 @@ def _flag(value, default: bool, name: str) -> bool:
 
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
             "run.eval_every", "run.eval_episodes", "run.save_every", "run.keep_checkpoints", "run.chunk",
-            "run.sync_every", "replay.size", "optimizer.warmup", "loss.imag_length")
-NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "optimizer.lr", "optimizer.eps", "optimizer.agc",
-           "loss.horizon", "loss.lmbda")
+            "run.sync_every", "replay.size", "optimizer.warmup", "loss.imag_length", "model.deter", "model.hidden",
+            "model.stoch", "model.classes", "model.depth", "model.units", "model.blocks", "model.enc_layers",
+            "model.dec_layers", "model.head_layers", "model.actor_layers", "model.critic_layers",
+            "model.imag_layers", "model.obs_layers", "model.dyn_layers", "model.bins", "model.kernel")
+NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "optimizer.lr", "optimizer.eps",
+           "optimizer.agc", "optimizer.beta1", "optimizer.beta2", "loss.horizon", "loss.lmbda", "loss.entropy",
+           "loss.kl_dynamic", "loss.kl_representation", "loss.free_nats", "loss.replay_value", "loss.slow_critic",
+           "loss.slow_critic_tau", "loss.return_norm_rate", "model.unimix")
+
+# The allowed range of each number: (key, predicate, the range in words). A period of 0 means never, as
+# the `Every` schedules in dreamer/train.py read it.
+RANGES = (
+    ("seed", lambda v: 0 <= v < 2**31, "in [0, 2^31) (numpy takes seeds below 2^32, env seeds add offsets)"),
+    ("batch_size", lambda v: v >= 1, "at least 1"),
+    ("batch_length", lambda v: v >= 2, "at least 2 (the RSSM needs a transition)"),
+    ("run.steps", lambda v: v >= 1, "at least 1"),
+    ("run.envs", lambda v: v >= 1, "at least 1"),
+    ("run.train_ratio", lambda v: v > 0, "positive (replayed steps per env step)"),
+    ("run.train_start", lambda v: v >= 0, "at least 0 (env steps collected before the first update)"),
+    ("run.log_every", lambda v: v >= 0, "at least 0 (env steps between records; 0 = never)"),
+    ("run.eval_every", lambda v: v >= 0, "at least 0 (env steps between evaluations; 0 = never)"),
+    ("run.eval_episodes", lambda v: v >= 0, "at least 0 (0 = no evaluation)"),
+    ("run.save_every", lambda v: v >= 0, "at least 0 (env steps between checkpoints; 0 = only at the end)"),
+    ("run.keep_checkpoints", lambda v: v >= 1, "at least 1 (the newest checkpoints kept)"),
+    ("run.chunk", lambda v: v >= 1, "at least 1"),
+    ("run.sync_every", lambda v: v >= 1, "at least 1"),
+    ("run.inference_wait_ms", lambda v: v >= 0, "at least 0"),
+    ("run.worker_stall_s", lambda v: v > 0, "positive"),
+    ("replay.size", lambda v: v >= 1, "at least 1"),
+    ("optimizer.lr", lambda v: v > 0, "positive"),
+    ("optimizer.eps", lambda v: v > 0, "positive"),
+    ("optimizer.agc", lambda v: v >= 0, "at least 0 (0 = no gradient clipping)"),
+    ("optimizer.warmup", lambda v: v >= 0, "at least 0 (updates of learning-rate warm-up)"),
+    ("optimizer.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optimizer.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("loss.horizon", lambda v: v >= 1, "at least 1 (discount = 1 - 1 / horizon)"),
+    ("loss.imag_length", lambda v: v >= 1, "at least 1"),
+    ("loss.lmbda", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("loss.entropy", lambda v: v >= 0, "at least 0"),
+    ("loss.kl_dynamic", lambda v: v >= 0, "at least 0"),
+    ("loss.kl_representation", lambda v: v >= 0, "at least 0"),
+    ("loss.free_nats", lambda v: v >= 0, "at least 0"),
+    ("loss.replay_value", lambda v: v >= 0, "at least 0"),
+    ("loss.slow_critic", lambda v: v >= 0, "at least 0"),
+    ("loss.slow_critic_tau", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("loss.return_norm_rate", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("model.unimix", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.bins", lambda v: v >= 2, "at least 2"),
+    *((f"model.{key}", lambda v: v >= 1, "at least 1") for key in (
+        "deter", "hidden", "stoch", "classes", "depth", "units", "blocks", "enc_layers", "dec_layers",
+        "head_layers", "actor_layers", "critic_layers", "imag_layers", "obs_layers", "dyn_layers", "kernel")),
+)
+CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers"),
+           "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru")}
+WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
 def _check_types(cfg: DictConfig) -> None:
@@ -109,28 +162,53 @@ def _check_types(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be {kind}, got {value!r}")
 
 
+def _check_ranges(cfg: DictConfig) -> None:
+    for key, allowed, words in RANGES:
+        value = OmegaConf.select(cfg, key)
+        if not math.isfinite(value) or not allowed(value):  # inf or nan is never a setting
+            raise ConfigError(f"{key} must be {words}, got {value}")
+    for key, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+    if not isinstance(cfg.run.eval_video, bool):
+        raise ConfigError(f"run.eval_video must be true or false, got {cfg.run.eval_video!r}")
+    mults = cfg.model.mults
+    if not isinstance(mults, ListConfig) or not mults or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in mults):
+        raise ConfigError(f"model.mults must be a list of positive integers (CNN channel multipliers), got {mults}")
+
+
+def _check_logger(logger: DictConfig) -> None:
+    if not logger.get("wandb", False):
+        return
+    mode = logger.get("mode", "auto")
+    if mode not in WANDB_MODES:
+        raise ConfigError(f"logger.mode must be {', '.join(WANDB_MODES[:-1])} or {WANDB_MODES[-1]}, got {mode!r}")
+    if "init_timeout" not in logger:  # a run folder's config.yaml from before the setting existed
+        return
+    timeout = logger.init_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ConfigError(f"logger.init_timeout must be a positive number of seconds (how long wandb may take "
+                          f"to start online before it falls back to offline), got {timeout!r}")
+
+
+def _settings(kind, section: str, cfg: DictConfig):
+    """A settings dataclass from a config section; a key the dataclass does not know is one line."""
+    values = OmegaConf.to_container(cfg[section], resolve=True)
+    values.pop("name", None)
+    known = set(kind.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]} is not a setting; the {section} settings are "
+                          f"{', '.join(sorted(known))}")
+    return kind(**values)
+
+
 def validate(cfg: DictConfig) -> Settings:
     _check_types(cfg)
-    if cfg.batch_size < 1:
-        raise ConfigError(f"batch_size must be at least 1, got {cfg.batch_size}")
-    if cfg.batch_length < 2:
-        raise ConfigError(f"batch_length must be at least 2 (the RSSM needs a transition), got {cfg.batch_length}")
-    if cfg.run.train_ratio <= 0:
-        raise ConfigError(f"run.train_ratio must be positive (replayed steps per env step), got {cfg.run.train_ratio}")
-    if cfg.run.envs < 1:
-        raise ConfigError(f"run.envs must be at least 1, got {cfg.run.envs}")
-    if cfg.run.inference not in ("auto", "thread", "process"):
-        raise ConfigError(f"run.inference must be auto, thread or process, got {cfg.run.inference!r}")
-    if cfg.run.collect not in ("inline", "workers"):
-        raise ConfigError(f"run.collect must be inline or workers, got {cfg.run.collect!r}")
-    if cfg.run.chunk < 1 or cfg.run.sync_every < 1 or cfg.run.inference_wait_ms < 0 or cfg.run.worker_stall_s <= 0:
-        raise ConfigError(
-            f"run.chunk and run.sync_every must be at least 1, run.inference_wait_ms at least 0 and "
-            f"run.worker_stall_s positive, got {cfg.run.chunk}, {cfg.run.sync_every}, "
-            f"{cfg.run.inference_wait_ms} and {cfg.run.worker_stall_s}"
-        )
-    if cfg.run.steps < 1:
-        raise ConfigError(f"run.steps must be at least 1, got {cfg.run.steps}")
+    _check_ranges(cfg)
+    _check_logger(cfg.logger)
     sequence = cfg.batch_length + 1
     if cfg.replay.size < cfg.batch_size * sequence:
         raise ConfigError(
@@ -142,9 +220,6 @@ def validate(cfg: DictConfig) -> Settings:
             f"replay.size={cfg.replay.size} split over run.envs={cfg.run.envs} streams holds less than one "
             f"sequence of batch_length + 1 = {sequence} per stream; raise replay.size or lower run.envs"
         )
-    for key in ("deter", "hidden", "stoch", "classes", "depth", "units", "blocks"):
-        if cfg.model[key] < 1:
-            raise ConfigError(f"model.{key} must be positive, got {cfg.model[key]}")
     if cfg.model.deter % cfg.model.blocks:
         raise ConfigError(f"model.deter={cfg.model.deter} must be a multiple of model.blocks={cfg.model.blocks}")
     try:
@@ -156,20 +231,16 @@ def validate(cfg: DictConfig) -> Settings:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     cuda = topology.learner.type == "cuda"
-    if cfg.run.precision not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"run.precision must be auto, bf16 or fp32, got {cfg.run.precision!r}")
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    model.pop("name", None)
-    model["mults"] = tuple(model["mults"])
+    size = _settings(ModelSize, "model", cfg)
     return Settings(
         topology=topology,
         # auto: compile on CUDA (30 to 90 s of warm-up on an H200, BENCHMARKS.md), not on CPU.
         compile=_flag(cfg.run.compile, cuda, "run.compile"),
         cudagraph=_flag(cfg.run.cudagraph, cuda, "run.cudagraph") and cuda,
         bf16=cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cuda),
-        size=ModelSize(**model),
-        loss=LossSettings(**OmegaConf.to_container(cfg.loss, resolve=True)),
-        optimizer=OptimizerSettings(**OmegaConf.to_container(cfg.optimizer, resolve=True)),
+        size=replace(size, mults=tuple(size.mults)),
+        loss=_settings(LossSettings, "loss", cfg),
+        optimizer=_settings(OptimizerSettings, "optimizer", cfg),
         updates_per_step=cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length),
     )
 

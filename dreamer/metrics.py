@@ -66,8 +66,9 @@ class Rates:
 
 
 class WandbSink:
-    """wandb, configured from `logger` settings. Offline when no API key is configured; never blocks
-    training: a failure to start falls back to offline once, then to nothing, with one warning line."""
+    """wandb, configured from `logger` settings. Offline when no API key is configured; never holds up
+    training: an online start that fails (no answer within `logger.init_timeout` seconds, a bad key)
+    falls back to an offline run with the same id, then to nothing, with one warning line."""
 
     def __init__(self, settings: dict, run_dir: Path, name: str, config: dict):
         import wandb
@@ -78,6 +79,9 @@ class WandbSink:
         id_file = run_dir / "wandb_id.txt"
         run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
         id_file.write_text(run_id)
+        # init_timeout: how long an online start may take before the offline fallback (logger/wandb.yaml);
+        # run folders from before the setting existed get wandb's default.
+        timeout = settings.get("init_timeout")
         kwargs = dict(
             project=settings.get("project"),
             entity=settings.get("entity"),
@@ -88,16 +92,35 @@ class WandbSink:
             config=config,
             id=run_id,
             resume="allow",
-            settings=wandb.Settings(init_timeout=60, silent=True),
+            settings=wandb.Settings(silent=True, **({"init_timeout": timeout} if timeout else {})),
         )
         self.run = None
+        failures = []
         for attempt in ([mode, "offline"] if mode == "online" else [mode]):
+            # Silent before init too: wandb's login line would be a second line on stderr.
+            wandb.setup(wandb.Settings(silent=True))
             try:
                 self.run = wandb.init(mode=attempt, **kwargs)
                 break
-            except Exception as error:  # network, bad key, server: training goes on without it
-                print(f"warning: wandb {attempt} failed ({str(error).splitlines()[0]}); ", end="", file=sys.stderr)
-                print("falling back to offline" if attempt == "online" else "not logging to wandb", file=sys.stderr)
+            except Exception as error:  # no network, a bad key, a server error: training goes on without it
+                failures.append(str(error).splitlines()[0] if str(error) else type(error).__name__)
+                self._teardown(wandb)
+        if failures and self.run is not None:
+            folder = self.run.settings.sync_dir
+            print(f"warning: wandb did not start online ({failures[0]}); logging offline to {folder}; "
+                  f"upload it later with `wandb sync {folder}`", file=sys.stderr)
+        elif failures:
+            print(f"warning: wandb did not start ({'; '.join(failures)}); not logging to wandb", file=sys.stderr)
+
+    @staticmethod
+    def _teardown(wandb) -> None:
+        """Stops wandb's service process after a failed start. The service keeps the failed attempt's run
+        id registered (a retry in the same process gets `run ID ... is in use`); a new service has no
+        such record, so the offline fallback can reuse the id."""
+        try:
+            wandb.teardown()
+        except (Exception, SystemExit):  # teardown exits when the service reports an error code
+            pass
 
     @staticmethod
     def _has_key() -> bool:

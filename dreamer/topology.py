@@ -18,6 +18,7 @@ inference server runs on the inference device (in its own process when that is a
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -46,22 +47,23 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _device(spec: str, gpus: int) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"'{spec}' is not a device; use cpu or cuda:N") from None
-    if device.type == "cuda":
-        index = 0 if device.index is None else device.index
-        if index >= gpus:
-            raise ValueError(
-                f"device {spec} does not exist: this machine has {gpus} CUDA device(s); "
-                "use topology=cpu or topology=auto"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise ValueError(f"device {spec} is not supported; use cpu or cuda:N")
-    return device
+DEVICE_FORMS = "cpu, cuda or cuda:N"
+
+
+def _device(key: str, spec, gpus: int) -> torch.device:
+    """The device `spec` names; ValueError (one line naming `key`) for anything but cpu, cuda, cuda:N."""
+    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", str(spec).strip())
+    if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+        raise ValueError(f"{key}={spec!r} is not a device; use auto, {DEVICE_FORMS}")
+    if match.group(1) == "cpu":
+        return torch.device("cpu")
+    index = int(match.group(2) or 0)
+    if index >= gpus:
+        raise ValueError(
+            f"{key}: device cuda:{index} does not exist: this machine has {gpus} CUDA device(s); "
+            "use topology=cpu or topology=auto"
+        )
+    return torch.device("cuda", index)
 
 
 def sweep_job_number() -> int | None:
@@ -89,22 +91,25 @@ def plan(gpus: int, job: int | None = None) -> tuple[str, str, list[str]]:
 
 
 def resolve_topology(cfg: DictConfig, job: int | None = None, gpus: int | None = None) -> Topology:
-    """The topology config's devices, with every `auto` filled in from `plan`."""
+    """The topology config's devices, with every `auto` filled in from `plan`; ValueError names the key."""
     gpus = visible_gpus() if gpus is None else gpus
     learner, inference, render = plan(gpus, job)
-    learner = learner if cfg.learner == "auto" else str(cfg.learner)
+    if cfg.learner != "auto":
+        learner = cfg.learner
+    learner = _device("topology.learner", learner, gpus)
     chosen = cfg.get("inference", "auto")
     if chosen != "auto":
-        inference = str(chosen)
-    elif torch.device(learner).type == "cpu":
+        inference = chosen
+    elif learner.type == "cpu":
         inference = "cpu"
+    inference = _device("topology.inference", inference, gpus)
     chosen = cfg.get("render", "auto")
     if chosen != "auto":
         if not isinstance(chosen, (list, tuple, ListConfig)):
-            raise ValueError(f"topology.render must be auto or a list of devices, got {chosen!r}")
-        render = [str(d) for d in chosen]
-    devices = _device(learner, gpus), _device(inference, gpus), tuple(_device(d, gpus) for d in render)
+            raise ValueError(f"topology.render must be auto or a list of devices ({DEVICE_FORMS}), got {chosen!r}")
+        render = list(chosen)
+    render = tuple(_device(f"topology.render[{i}]", d, gpus) for i, d in enumerate(render))
     name = cfg.name
     if name == "auto":
-        name = "cpu" if devices[0].type == "cpu" else f"{gpus}gpu" if job is None else "1gpu-per-job"
-    return Topology(name, *devices)
+        name = "cpu" if learner.type == "cpu" else f"{gpus}gpu" if job is None else "1gpu-per-job"
+    return Topology(name, learner, inference, render)
