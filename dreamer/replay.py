@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import tempfile
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -50,6 +53,56 @@ from torchrl.data.replay_buffers.writers.round_robin import _SLOT_GENERATIONS_AT
 STREAM_KEY = "stream"
 HANDLE_KEYS = ("index", "index_generation")
 CONTEXT_KEYS = ("state", "belief")
+# The latent context is kept in bf16: half the bytes of float32 (at size200m it is most of a record),
+# and the learner computes in bf16 on a GPU anyway.
+CONTEXT_DTYPE = torch.bfloat16
+# Besides its fields, each record costs its slot generation and its stream id (int64 each).
+RECORD_OVERHEAD = 16
+
+
+def record_bytes(example: TensorDictBase) -> int:
+    """Bytes one replay record takes, from an example record without batch dimensions (the layout of
+    `dreamer.inference.request_spec`): its fields, the context in CONTEXT_DTYPE, and the bookkeeping."""
+    total = RECORD_OVERHEAD
+    for key, value in example.items(include_nested=True, leaves_only=True):
+        size = CONTEXT_DTYPE.itemsize if key in CONTEXT_KEYS else value.element_size()
+        total += value.numel() * size
+    return total
+
+
+def available_memory() -> int:
+    """Host memory the kernel says can be had now without swapping (MemAvailable), in bytes."""
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _allocator(directory: Path | None):
+    """Empty tensors in memory, or (replay.storage=disk) in memory-mapped files under `directory`.
+
+    A file is unlinked as soon as it is mapped: the mapping keeps its pages, and the space is released
+    when the process ends, however it ends, so no replay file outlives a run.
+    """
+    if directory is None:
+        return lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def empty(shape, dtype) -> torch.Tensor:
+        handle, path = tempfile.mkstemp(dir=directory, prefix="replay-", suffix=".bin")
+        os.close(handle)
+        try:
+            return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        finally:
+            os.unlink(path)
+
+    return empty
+
+
+def _empty_like(record: TensorDictBase, batch: tuple[int, ...], allocate, dtype=None) -> TensorDictBase:
+    return TensorDict({key: allocate((*batch, *value.shape), dtype or value.dtype)
+                       for key, value in record.items(include_nested=True, leaves_only=True)}, list(batch))
 
 
 class _StreamWindows(SliceSampler):
@@ -88,8 +141,10 @@ class _Table:
     pieces are granted.
     """
 
-    def __init__(self, streams: int, capacity: int):
-        self.streams, self.capacity = streams, capacity
+    def __init__(self, streams: int, capacity: int, directory: Path | None = None,
+                 context_dtype: torch.dtype = CONTEXT_DTYPE):
+        self.streams, self.capacity, self.context_dtype = streams, capacity, context_dtype
+        self.allocate = _allocator(directory)
         self.records: TensorDictBase | None = None  # [streams, capacity], the context left out
         # Each stream writer's slot generations are a row of this (the writers bump them in place), so
         # the generations of a batch are one gather, not one writer call per stream.
@@ -101,9 +156,11 @@ class _Table:
         record = example[0] if example.batch_dims else example
         with self._lock:
             if self.records is None:  # laid out like the first records any stream receives
-                self.records = torch.empty_like(record.exclude(*CONTEXT_KEYS).expand(self.streams, self.capacity))
+                self.records = _empty_like(record.exclude(*CONTEXT_KEYS), (self.streams, self.capacity),
+                                           self.allocate)
             row = self.records[stream]
-        self.contexts[stream] = torch.empty_like(record.select(*CONTEXT_KEYS).expand(self.capacity))
+        self.contexts[stream] = _empty_like(record.select(*CONTEXT_KEYS), (self.capacity,), self.allocate,
+                                            self.context_dtype)
         return row.update(self.contexts[stream])
 
     def contexts_at(self, streams: list[int], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +236,9 @@ def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
     return index.to(device)
 
 
-def _on_host(records: TensorDictBase) -> TensorDictBase:
-    """A shallow copy of `records` whose device is the host, as the storage's is.
+def _on_host(records: TensorDictBase, context_dtype: torch.dtype) -> TensorDictBase:
+    """A shallow copy of `records` whose device is the host, as the storage's is, its context in
+    `context_dtype`.
 
     A record whose device differs from the storage's is moved with tensordict's `.to("cpu")` on the
     way in, and that move waits for the calling thread's CUDA stream (the default stream, where the
@@ -189,10 +247,15 @@ def _on_host(records: TensorDictBase) -> TensorDictBase:
     relabelled without that wait; device tensors are copied, and that copy does wait for them.
     """
     if records.device is not None and records.device.type == "cpu":
-        return records.clone(False)
-    if all(leaf.device.type == "cpu" for leaf in records.values(include_nested=True, leaves_only=True)):
-        return records.to("cpu", non_blocking=True)  # nothing to copy: no wait
-    return records.to("cpu")
+        records = records.clone(False)
+    elif all(leaf.device.type == "cpu" for leaf in records.values(include_nested=True, leaves_only=True)):
+        records = records.to("cpu", non_blocking=True)  # nothing to copy: no wait
+    else:
+        records = records.to("cpu")
+    for key in CONTEXT_KEYS:  # the storage keeps the context in its own dtype
+        if key in records.keys() and records.get(key).dtype != context_dtype:
+            records.set(key, records.get(key).to(context_dtype))
+    return records
 
 
 class Replay:
@@ -208,10 +271,15 @@ class Replay:
         seed: int = 0,
         prefetch: int | None = None,
         stock: bool = False,
+        directory: Path | None = None,
+        context_dtype: torch.dtype = CONTEXT_DTYPE,
     ):
         """prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
         stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
-        context included: the reference that scripts/bench_replay.py measures ours against."""
+        context included: the reference that scripts/bench_replay.py measures ours against.
+        directory: keep the records in memory-mapped files there (replay.storage=disk), for a replay
+        larger than the host's memory. context_dtype: how the latent context is stored (tests of exact
+        values use float32)."""
         self.streams = streams
         self.sequence = batch_length + 1
         self.batch_size = batch_size
@@ -222,7 +290,8 @@ class Replay:
                 f"replay.size={size} split over {streams} env streams holds {self.capacity} steps per stream, "
                 f"less than one sequence of batch_length + 1 = {self.sequence}"
             )
-        self.table = _Table(streams, self.capacity)
+        self.context_dtype = context_dtype
+        self.table = _Table(streams, self.capacity, None if directory is None else Path(directory), context_dtype)
         members = [
             TensorDictReplayBuffer(
                 storage=(LazyTensorStorage(self.capacity) if stock
@@ -268,23 +337,60 @@ class Replay:
         self._downloads: dict[torch.device, torch.cuda.Stream] = {}
         self.stock = stock
         self.added = 0
+        # Records each stream has received since the run began (restored on resume): the positions
+        # that checkpoints name records by. Changed under the stream's lock, with the insert.
+        self.appended = [0] * streams
         self.lost_contexts = 0  # sampled sequences whose first record was overwritten before its context was read
 
     def add(self, records: TensorDictBase) -> None:
         """Appends one record per stream (records has batch size [streams])."""
-        records = _on_host(records)
+        records = _on_host(records, self.context_dtype)
         records.set(STREAM_KEY, self._stream_ids)
-        self.buffer.extend(records)
+        # Every stream's lock, taken in stream order after the ensemble's (the order of every other
+        # path): a checkpoint reading a stream sees its records and its count change together.
+        with self.buffer._replay_lock, contextlib.ExitStack() as held:
+            for member in self.buffer._rbs:
+                held.enter_context(member._replay_lock)
+            self.buffer.extend(records)
+            for stream in range(self.streams):
+                self.appended[stream] += 1
         self.added += records.shape[0]
 
     def add_chunk(self, stream: int, records: TensorDictBase) -> None:
         """Appends consecutive records [k] of one env stream (a worker's chunk) to that stream's member."""
-        records = _on_host(records)
+        records = _on_host(records, self.context_dtype)
         records.set(STREAM_KEY, torch.full((records.shape[0],), stream, dtype=torch.long))
         # The ensemble's own extend routes with one mask per member; a chunk belongs to one member.
-        with self.buffer._replay_lock, self.buffer._write_lock:
-            self.buffer._rbs[stream].extend(records)
+        member = self.buffer._rbs[stream]
+        with self.buffer._replay_lock, self.buffer._write_lock, member._replay_lock:
+            member.extend(records)
+            self.appended[stream] += records.shape[0]
         self.added += records.shape[0]
+
+    def snapshot(self, stream: int, since: int) -> tuple[int, int, TensorDictBase | None]:
+        """(count, first, records): the records of `stream` from position `since` (or its oldest still
+        held) up to `count`, the number it has received, context included, as copies; records is None
+        when there are none. Read under the stream's lock: its inserts and write-backs wait meanwhile,
+        sampling and the other streams do not."""
+        member = self.buffer._rbs[stream]
+        with member._replay_lock:
+            count, length = self.appended[stream], len(member)
+            first = max(since, count - length)
+            if first >= count:
+                return count, count, None
+            newest = (member.writer._cursor - 1) % self.capacity
+            slots = (newest - (count - 1 - torch.arange(first, count))) % self.capacity
+            records = member.storage._storage[slots].exclude(STREAM_KEY)
+        return count, first, records
+
+    def restore(self, stream: int, records: TensorDictBase, count: int) -> None:
+        """Appends saved records [k] of `stream` (its oldest first); `count`: the position after the
+        last of them, which the stream's next record takes."""
+        if records.shape[0]:
+            self.add_chunk(stream, records)
+        member = self.buffer._rbs[stream]
+        with member._replay_lock:
+            self.appended[stream] = count
 
     def end_stream(self, stream: int) -> bool:
         """Marks the newest record of `stream` as an episode end (truncated): its producer died.
@@ -344,8 +450,8 @@ class Replay:
         if staging is not None:  # the staging buffer is free again once the copies have ended
             staging[0].record(self._copy_stream(self._uploads, self.device))
         shape = (self.batch_size, self.sequence)
-        for key, first in (("state", state), ("belief", belief)):
-            batch.set(key, first.unsqueeze(1).expand(*shape, first.shape[-1]))
+        for key, first in (("state", state), ("belief", belief)):  # stored in bf16; the learner takes float32
+            batch.set(key, first.float().unsqueeze(1).expand(*shape, first.shape[-1]))
         return batch, handles
 
     def _prepare(self) -> tuple[TensorDictBase, tuple | None]:
@@ -472,7 +578,7 @@ class Replay:
         keep = last_write_wins(coordinates)
         on_device = _to_device(keep, state.device)
         rows = (on_device // state.shape[1], on_device % state.shape[1])  # one gather, even from a strided view
-        patch = {"state": state.detach()[rows].float(), "belief": belief.detach()[rows].float()}
+        patch = {key: value.detach()[rows].to(self.context_dtype) for key, value in (("state", state), ("belief", belief))}
         landed = None
         if state.is_cuda:
             # The patch is gathered on the producing stream (it reads the update's outputs, which the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 import time
@@ -20,9 +21,10 @@ from dreamer.collect import CollectionError, Collector, Ingest, start_workers
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
+from dreamer.inference import request_spec
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, summarize_episodes
-from dreamer.replay import Replay
+from dreamer.replay import Replay, available_memory, record_bytes
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation envs never share a seed with training envs
 
@@ -57,11 +59,80 @@ class RunError(RuntimeError):
 
 
 def train(cfg: DictConfig) -> None:
+    run_dir = Path(cfg.run.dir)
+    # Hydra creates the run folder before this runs: a start that fails leaves no empty folder behind.
+    fresh_folder = run_dir.is_dir() and not any(run_dir.iterdir())
+    try:
+        _train(cfg, run_dir)
+    except (ConfigError, checkpoint.CheckpointError):
+        if fresh_folder and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+
+
+def make_replay(cfg: DictConfig, layout: EnvLayout, settings, run_dir: Path) -> Replay:
+    """The replay of `replay.size` records, after checking that it fits where it is kept (one line with
+    what would fit if it does not); prints what it takes."""
+    storage = cfg.replay.storage
+    if storage not in ("memory", "disk"):
+        raise ConfigError(f"replay.storage must be memory or disk, got {storage!r}")
+    per_record = record_bytes(request_spec(layout, settings.size))
+    capacity = cfg.replay.size // cfg.run.envs
+    records = capacity * cfg.run.envs
+    need = per_record * records
+    directory = run_dir / "replay-mmap" if storage == "disk" else None
+    if directory is not None:
+        probe = run_dir
+        have, where = os.statvfs(probe).f_bavail * os.statvfs(probe).f_frsize, f"disk space in {probe}"
+    else:
+        have, where = available_memory(), "host memory"
+    if need > 0.9 * have:  # the rest of the run needs memory too
+        fits = int(0.9 * have // per_record)
+        hint = "" if storage == "disk" else ", or keep it on disk with replay.storage=disk"
+        raise ConfigError(
+            f"replay.size={cfg.replay.size:,} needs {need / 1e9:,.1f} GB of {where} ({per_record:,} bytes per "
+            f"record) and {have / 1e9:,.1f} GB are available; lower replay.size to at most {fits:,}{hint}")
+    amount = f"{need / 1e9:,.2f} GB" if need >= 1e9 else f"{need / 1e6:,.1f} MB"
+    print(f"dreamer: replay of {records:,} records x {per_record:,} bytes = {amount} in "
+          f"{'memory-mapped files' if directory else 'host memory'}", flush=True)
+    return Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, settings.topology.learner,
+                  seed=cfg.seed, directory=directory)
+
+
+def _overrides() -> list[str] | None:
+    """The command line's overrides (for scripts/summarize.py), when Hydra started this run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+
+
+def _finished(run_dir: Path, counters: dict, steps: int, eval_episodes: int) -> str | None:
+    """The result line of a run that has already done everything asked of it; None if work is left."""
+    import json
+
+    if counters["env_steps"] < steps:
+        return None
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    final = [r for r in records if r.get("kind") == "final_eval"]
+    if eval_episodes and not final:
+        return None  # stopped during its final evaluation: run it
+    result = (f"final evaluation: mean return {final[-1]['eval/return_mean']:.2f} over "
+              f"{final[-1]['eval/episodes']} episodes" if final and "eval/return_mean" in final[-1]
+              else "no final evaluation (run.eval_episodes=0)")
+    return (f"dreamer: {run_dir} already finished at {counters['env_steps']:,} env steps; {result}. "
+            f"Raise run.steps to train further")
+
+
+def _train(cfg: DictConfig, run_dir: Path) -> None:
     settings = validate(cfg)  # every check that needs no environment or model
     set_threads(cfg.run.threads, settings.topology.learner)
-    run_dir = Path(cfg.run.dir)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    accepted = checkpoint.check_same_experiment(run_dir, config, bool(cfg.run.accept_changes))
     resumed = checkpoint.resume_state(run_dir, str(cfg.run.resume))
-    checkpoint.write_config(run_dir, OmegaConf.to_yaml(cfg, resolve=True))
+    if resumed and (line := _finished(run_dir, resumed[1]["counters"], cfg.run.steps, cfg.run.eval_episodes)):
+        print(line, flush=True)
+        return
     print(f"dreamer: run folder {run_dir}; {describe(settings)}", flush=True)
     device = settings.topology.learner
     torch.manual_seed(cfg.seed), np.random.seed(cfg.seed), random.seed(cfg.seed)
@@ -72,7 +143,9 @@ def train(cfg: DictConfig) -> None:
         agent = build_agent(layout, settings.size, settings.loss)
     learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
                       progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
-    replay = Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, device, seed=cfg.seed)
+    replay = make_replay(cfg, layout, settings, run_dir)
+    checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
+                                           progress=lambda line: print(f"dreamer: {line}", flush=True))
     evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)
     workers = cfg.run.collect == "workers"
@@ -89,13 +162,26 @@ def train(cfg: DictConfig) -> None:
         try:
             learner.load_state_dict(state["learner"])
         except (ValueError, KeyError, RuntimeError) as error:
-            raise checkpoint.CheckpointError(f"{path} does not fit this run: {error}") from None
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise checkpoint.CheckpointError(f"{path} does not fit this run's model ({reason[:300]}); resume it "
+                                             "with the settings it was trained with, or start another run.name") from None
         ratio.load_state_dict(state["ratio"])
         counters.update(state["counters"])
         checkpoint.set_rng_state(state["rng"])
         replay.generator.set_state(state["replay_rng"])
-        print(f"dreamer: resumed from {path} at {counters['env_steps']:,} env steps, "
-              f"{learner.updates:,} updates", flush=True)
+        restored = checkpointer.restore(state.get("replay"), path)
+    # The start has succeeded: from here on the run folder is written.
+    if accepted:
+        print(f"dreamer: continuing {run_dir} with changed settings: {'; '.join(accepted)}", flush=True)
+    checkpoint.write_config(run_dir, OmegaConf.to_yaml(cfg, resolve=True), _overrides())
+    checkpoint.remove_leftovers(run_dir)
+    if resumed:
+        dropped = checkpoint.trim_metrics(run_dir, counters["env_steps"])
+        print(f"dreamer: resumed from {path} at {counters['env_steps']:,} env steps with {restored:,} replay "
+              f"records, {learner.updates:,} updates"
+              + (f" ({dropped} metrics records newer than the checkpoint dropped)" if dropped else ""), flush=True)
+    elif (run_dir / "metrics.jsonl").is_file():  # a run that never saved a checkpoint: its records are set aside
+        (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
 
     def stopped() -> bool:  # a SIGINT / SIGTERM also ends an evaluation early
@@ -112,10 +198,14 @@ def train(cfg: DictConfig) -> None:
         metrics.write(record, counters["env_steps"], learner.updates, kind=kind)
         metrics.media(videos, counters["env_steps"])
 
-    def save() -> None:
-        checkpoint.save(run_dir, counters["env_steps"], {
-            "learner": learner.state_dict(), "ratio": ratio.state_dict(), "counters": dict(counters),
-            "rng": checkpoint.rng_state(), "replay_rng": replay.generator.get_state()}, cfg.run.keep_checkpoints)
+    def save(wait: bool = True) -> None:
+        """A checkpoint now; `wait=False` lets it commit in the background while training goes on."""
+        try:
+            checkpointer.save(counters["env_steps"], {
+                "learner": learner.state_dict(), "ratio": ratio.state_dict(), "counters": dict(counters),
+                "rng": checkpoint.rng_state(), "replay_rng": replay.generator.get_state()}, wait=wait)
+        except checkpoint.SaveError as error:
+            raise RunError(str(error)) from None
 
     should_log = Every(cfg.run.log_every, counters["env_steps"])
     should_eval = Every(cfg.run.eval_every, counters["env_steps"])
@@ -149,6 +239,48 @@ def train(cfg: DictConfig) -> None:
             raise CollectionError("the inference server stopped")
         return ingest.take(timeout=1.0)  # the chunks are added to replay by the ingest thread
 
+    def step() -> None:
+        """One pass of the loop: collect, owed updates, records, evaluation, checkpoint."""
+        nonlocal logged_at
+        steps, episodes = gather()
+        counters["env_steps"] += steps
+        counters["episodes"] += len(episodes)
+        window.extend(episodes)
+        for episode in episodes:
+            metrics.episode(episode.score)
+
+        if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
+            counters["train_steps"] += steps
+            counters["owed_updates"] += ratio(counters["train_steps"])
+            while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
+                counters["owed_updates"] -= 1
+                batch, handles = replay.sample()
+                batch = learner.update(batch[:, :-1])
+                if cfg.replay.context:
+                    context = batch.get("replay_context")
+                    replay.write_back(handles, context.get("state"), context.get("belief"))
+                if workers and should_sync(learner.updates):  # never waits for the server
+                    inference.sync()
+
+        metrics.tick(counters["env_steps"])
+        if should_log(counters["env_steps"]):
+            now = time.monotonic()
+            record = {**summarize_episodes(window), "env/restarts": (pool or collector).restarts,
+                      # the learner device's time in updates since the last record (updates still
+                      # queued on the device count in the next one)
+                      "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9),
+                      **(inference.stats() if workers else {})}
+            logged_at = now
+            pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
+            window.clear()
+        while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
+            write_pending()
+        # The last scheduled evaluation is the final one, after the loop.
+        if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
+            run_eval("eval")
+        if should_save(counters["env_steps"]):
+            save(wait=False)
+
     window: list = []  # episodes ended since the last metrics record
     logged_at = time.monotonic()
     learner.busy_seconds()  # the warm-up's updates are not training
@@ -162,47 +294,10 @@ def train(cfg: DictConfig) -> None:
         with checkpoint.GracefulStop() as stop:
             while counters["env_steps"] < cfg.run.steps and not stop:
                 try:
-                    steps, episodes = gather()
-                except CollectionError as error:
+                    step()
+                except CollectionError as error:  # an env, a worker or the inference server gave up
                     save()
                     raise RunError(f"{error} (checkpoint saved at {counters['env_steps']:,} env steps)") from None
-                counters["env_steps"] += steps
-                counters["episodes"] += len(episodes)
-                window += episodes
-                for episode in episodes:
-                    metrics.episode(episode.score)
-
-                if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
-                    counters["train_steps"] += steps
-                    counters["owed_updates"] += ratio(counters["train_steps"])
-                    while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
-                        counters["owed_updates"] -= 1
-                        batch, handles = replay.sample()
-                        batch = learner.update(batch[:, :-1])
-                        if cfg.replay.context:
-                            context = batch.get("replay_context")
-                            replay.write_back(handles, context.get("state"), context.get("belief"))
-                        if workers and should_sync(learner.updates):  # never waits for the server
-                            inference.sync()
-
-                metrics.tick(counters["env_steps"])
-                if should_log(counters["env_steps"]):
-                    now = time.monotonic()
-                    record = {**summarize_episodes(window), "env/restarts": (pool or collector).restarts,
-                              # the learner device's time in updates since the last record (updates still
-                              # queued on the device count in the next one)
-                              "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9),
-                              **(inference.stats() if workers else {})}
-                    logged_at = now
-                    pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
-                    window.clear()
-                while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
-                    write_pending()
-                # The last scheduled evaluation is the final one, after the loop.
-                if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
-                    run_eval("eval")
-                if should_save(counters["env_steps"]):
-                    save()
 
             while pending:
                 write_pending()
@@ -212,9 +307,37 @@ def train(cfg: DictConfig) -> None:
             elif cfg.run.eval_episodes:
                 run_eval("final_eval")
     finally:  # also when the run stops with an error: no worker process or server thread outlives it
-        for part in (ingest, pool, inference, metrics, replay, collector, evaluator):
+        for part in (ingest, pool, inference, metrics, checkpointer, replay, collector, evaluator):
             if part is not None:
                 part.close()
+
+
+def check_run_folder(argv: list[str]) -> None:
+    """The run folder must be a folder this process can write (Hydra creates it before the run starts,
+    and fails there with a traceback otherwise). Sweeps make new folders of their own: not checked."""
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        return
+    from hydra import compose, initialize_config_dir
+
+    from dreamer.config import CONFIG_DIR
+
+    overrides = [arg for arg in argv if not arg.startswith("-") and "=" in arg]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    folders = {Path(cfg.hydra.run.dir)}
+    if OmegaConf.is_missing(cfg.run, "dir") or "hydra:" not in str(OmegaConf.to_container(cfg.run)["dir"]):
+        folders.add(Path(str(cfg.run.dir)))
+    for path in folders:
+        existing = path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing == path and not path.is_dir():
+            raise ConfigError(f"the run folder {path} is a file; move it away or choose another run.name")
+        if not existing.is_dir():
+            raise ConfigError(f"the run folder {path} cannot be created: {existing} is a file; choose another run.name")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"the run folder {path} cannot be written ({existing} is read-only); make it writable "
+                              "or set run.name / hydra.run.dir to a writable place")
 
 
 def cli() -> None:
@@ -222,6 +345,7 @@ def cli() -> None:
     try:
         check_overrides(sys.argv[1:])
         check_composes(sys.argv[1:])
+        check_run_folder(sys.argv[1:])
         main()
     except (ConfigError, checkpoint.CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -2,8 +2,8 @@
 
     python scripts/summarize.py SWEEP_DIR
 
-A job is any folder under SWEEP_DIR that holds a metrics.jsonl (Hydra's multirun writes one folder per job,
-with the job's overrides in .hydra/overrides.yaml).
+A job is any folder under SWEEP_DIR that holds a metrics.jsonl (Hydra's multirun writes one folder per job;
+the run writes the job's overrides to overrides.yaml in it, older runs have them in .hydra/overrides.yaml).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ def job_row(folder: Path) -> dict:
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [r for r in records if r["kind"] in ("eval", "final_eval")]
     train = [r for r in records if r["kind"] == "train" and r.get("env_steps_per_s")]
-    overrides_file = folder / ".hydra" / "overrides.yaml"
+    overrides_file = folder / "overrides.yaml"
+    if not overrides_file.is_file():
+        overrides_file = folder / ".hydra" / "overrides.yaml"
     overrides = []
     if overrides_file.is_file():
         overrides = [line[2:].strip() for line in overrides_file.read_text().splitlines() if line.startswith("- ")]

@@ -72,7 +72,7 @@ def test_captured_step_replays_match_the_eager_updates(compile):
 
 
 def test_write_back_from_cuda_tensors():
-    replay = Replay(2, 40, 8, 3, torch.device("cuda:0"), seed=0)
+    replay = Replay(2, 40, 8, 3, torch.device("cuda:0"), seed=0, context_dtype=torch.float32)
     for step in range(10):
         replay.add(_records(step, 2))
     batch, handles = replay.sample()
@@ -96,7 +96,7 @@ def test_write_back_from_cuda_tensors():
 def test_cuda_batches_through_the_pinned_staging_ring_are_the_sampled_records(prefetch):
     """More batches than the staging ring holds, with inserts between them: each batch on the device is
     the records its handles name (a staging buffer reused before its copy ended would mix batches)."""
-    replay = Replay(4, 400, 16, 7, torch.device("cuda:0"), seed=0, prefetch=prefetch)
+    replay = Replay(4, 400, 16, 7, torch.device("cuda:0"), seed=0, prefetch=prefetch, context_dtype=torch.float32)
     step = 0
     for step in range(20):
         replay.add(_records(step, 4))

@@ -25,7 +25,8 @@ def _records(step: int, streams: int, width: int = 3) -> TensorDict:
 
 
 def _replay(streams=2, size=40, batch_size=6, batch_length=3) -> Replay:
-    return Replay(streams, size, batch_size, batch_length, torch.device("cpu"), seed=0)
+    # float32 contexts: these tests name records by exact context values (bf16 storage: its own test)
+    return Replay(streams, size, batch_size, batch_length, torch.device("cpu"), seed=0, context_dtype=torch.float32)
 
 
 def _stored(replay: Replay, member: int) -> TensorDict:
@@ -258,7 +259,7 @@ def test_a_sample_carries_the_context_of_each_sequences_first_record():
 def test_windows_start_from_the_stored_context_and_are_not_marked_as_episode_starts(stock):
     """A window's first record keeps its stored is_init (False here): were it forced True, as torchrl's
     SliceSampler does by default, the learner would reset there and never use the stored context."""
-    replay = Replay(2, 40, 64, 3, torch.device("cpu"), seed=0, stock=stock)
+    replay = Replay(2, 40, 64, 3, torch.device("cpu"), seed=0, stock=stock, context_dtype=torch.float32)
     for step in range(10):
         replay.add(_with_context(step, 2))
     batch, handles = replay.sample()
@@ -359,7 +360,7 @@ def test_a_sample_prepared_after_a_write_back_observes_it_and_one_prepared_befor
     The write-back thread is held at a gate to make the order visible."""
     import threading
 
-    replay = Replay(2, 40, 6, 3, torch.device("cpu"), seed=0, prefetch=1)
+    replay = Replay(2, 40, 6, 3, torch.device("cpu"), seed=0, prefetch=1, context_dtype=torch.float32)
     for step in range(12):
         replay.add(_records(step, 2))
     gate, original = threading.Event(), replay._apply
