@@ -213,6 +213,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     metrics = Metrics(run_dir, cfg.run.steps, counters["env_steps"], learner.updates,
                       wandb=OmegaConf.to_container(cfg.logger) if cfg.logger.wandb else None,
                       name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True))
+    checkpointer.reserve(learner.state_dict())
     if learner.needs_warmup:  # compile and capture before collecting, on a batch of the replay's shapes
         print("dreamer: warming up the learner step (compile / CUDA graph capture)...", flush=True)
         seconds = learner.warmup(learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
