@@ -103,6 +103,35 @@ def write_videos(networks, frames: list, first: list, out: Path, stem: str) -> d
     return videos
 
 
+def load_weights(module: torch.nn.Module, state: dict, path: Path, config: Path) -> None:
+    """Loads a checkpoint's learner weights into `module`, built from `config`; CheckpointError (one line)
+    names the first parameter whose name or shape differs, which means the two come from different runs
+    or the config was edited after training."""
+    from dreamer.checkpoint import CheckpointError
+
+    weights = state.get("learner", {}).get("loss") if isinstance(state.get("learner"), dict) else None
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"checkpoint {path} holds no learner weights")
+    own = module.state_dict()
+    for name, tensor in own.items():
+        theirs = weights.get(name)
+        if theirs is None:
+            difference = f"{name} is missing from the checkpoint"
+        elif tuple(theirs.shape) != tuple(tensor.shape):
+            difference = f"{name} is {tuple(theirs.shape)} in the checkpoint, {tuple(tensor.shape)} from the config"
+        else:
+            continue
+        break
+    else:
+        extra = sorted(set(weights) - set(own))
+        if not extra:
+            module.load_state_dict(weights)
+            return
+        difference = f"{extra[0]} is in the checkpoint, not in the model the config builds"
+    raise CheckpointError(f"checkpoint {path} does not match {config} ({difference}); evaluate a checkpoint with "
+                          "the config.yaml of the run that wrote it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dreamer.evaluate", description=__doc__.splitlines()[2])
     parser.add_argument("run_dir", type=Path)
@@ -135,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         state = checkpoint.load(path)
-        cfg = OmegaConf.load(config)
+        try:
+            cfg = OmegaConf.load(config)
+        except Exception as error:  # a YAML syntax error: the file was edited by hand
+            raise ConfigError(f"{config} is not readable YAML ({str(error).splitlines()[0]})") from None
         settings = validate(cfg)
     except (checkpoint.CheckpointError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -146,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     with torch.device(device):
         agent = build_agent(layout, settings.size, settings.loss)
-    agent.loss.load_state_dict(state["learner"]["loss"])
+    try:
+        load_weights(agent.loss, state, path, config)
+    except checkpoint.CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 2_000_000), agent.policy, layout,
                           settings.size, device, explore=False, suite=cfg.env.suite)
     finished, frames, first = run_with_frames(collector, args.episodes)
