@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from dreamer.config import CONFIG_DIR, ConfigError, check_overrides, group_options, validate
+from dreamer.config import CONFIG_DIR, INTEGERS, RANGES, ConfigError, check_overrides, group_options, validate
 from tests.conftest import run_train
 
 PRESETS = group_options("exp")
@@ -77,3 +80,69 @@ def test_unknown_options_are_rejected_with_the_list():
     with pytest.raises(ConfigError, match="unknown model size 'size3m'; available: size100m"):
         check_overrides(["model=size3m"])
     check_overrides(["+exp=pendulum", "model=size12m,size25m", "env.task=CartPole-v1", "seed=3"])
+
+
+def _smoke_cfg():
+    cfg = _compose(["+debug=smoke"])
+    with open_dict(cfg):
+        del cfg.run["dir"]
+    return cfg
+
+
+def _rejected(key: str, allowed) -> object:
+    """A value of the key's type that its range rejects."""
+    candidates = [-1, 0, 1, 2**31] if key in INTEGERS else [-1.0, 0.0, 1.0, 1.5, math.inf, math.nan]
+    return next(value for value in candidates if not (math.isfinite(value) and allowed(value)))
+
+
+@pytest.mark.parametrize("key, allowed, words", RANGES, ids=[key for key, _, _ in RANGES])
+def test_every_range_is_one_line_naming_the_key(key, allowed, words):
+    cfg = _smoke_cfg()
+    value = _rejected(key, allowed)
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ConfigError) as error:
+        validate(cfg)
+    message = str(error.value)
+    assert message.startswith(f"{key} must be {words}, got ") and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["run.log_every", "run.eval_every", "run.save_every", "run.eval_episodes",
+                                 "run.train_start", "optimizer.agc", "optimizer.warmup"])
+def test_zero_stays_valid_where_it_means_never_or_none(key):
+    cfg = _smoke_cfg()
+    OmegaConf.update(cfg, key, 0)
+    validate(cfg)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("model.mults", [2, 0], "model.mults must be a list of positive integers"),
+    ("run.eval_video", "yes", "run.eval_video must be true or false"),
+    ("run.collect", "threads", "run.collect must be inline or workers, got 'threads'"),
+    ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are entropy, "),
+    ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
+])
+def test_other_bad_values_are_one_line(key, value, words):
+    cfg = _smoke_cfg()
+    with open_dict(cfg):
+        OmegaConf.update(cfg, key, value)
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        validate(cfg)
+
+
+def test_the_wandb_logger_settings_are_checked():
+    cfg = _compose(["+debug=smoke", "logger=wandb"])
+    with open_dict(cfg):
+        del cfg.run["dir"]
+    assert cfg.logger.init_timeout > 0
+    validate(cfg)
+    for key, value, words in [("logger.init_timeout", 0, "logger.init_timeout must be a positive number"),
+                              ("logger.init_timeout", "soon", "logger.init_timeout must be a positive number"),
+                              ("logger.mode", "sometimes", "logger.mode must be auto, online, offline or disabled")]:
+        bad = cfg.copy()
+        OmegaConf.update(bad, key, value)
+        with pytest.raises(ConfigError, match=words):
+            validate(bad)
+    # A run folder's config.yaml from before init_timeout existed still validates (dreamer.evaluate reads it).
+    with open_dict(cfg):
+        del cfg.logger["init_timeout"]
+    validate(cfg)

@@ -62,3 +62,22 @@ def test_a_topology_the_machine_cannot_hold_fails_in_one_line(name, gpus, messag
 def test_the_devices_are_torch_devices():
     topology = resolve_topology(_preset("4gpu"), gpus=4)
     assert all(isinstance(d, torch.device) for d in (topology.learner, topology.inference, *topology.render))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"learner": "tpu"}, "topology.learner='tpu' is not a device; use auto, cpu, cuda or cuda:N"),
+    ({"learner": "cuda:x"}, "topology.learner='cuda:x' is not a device"),
+    ({"learner": "cpu:1"}, "topology.learner='cpu:1' is not a device"),
+    ({"learner": "mps"}, "topology.learner='mps' is not a device"),
+    ({"learner": 0}, "topology.learner=0 is not a device"),
+    ({"inference": "xla"}, "topology.inference='xla' is not a device"),
+    ({"render": ["cuda:0", "vulkan"]}, r"topology.render\[1\]='vulkan' is not a device"),
+])
+def test_an_unknown_device_names_the_key_and_the_valid_forms(changes, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_topology(_preset("auto", **changes), gpus=2)
+
+
+def test_cuda_without_an_index_is_the_first_gpu():
+    assert _names(resolve_topology(_preset("auto", learner="cuda", inference="cuda"), gpus=1))[:2] == (
+        "cuda:0", "cuda:0")
