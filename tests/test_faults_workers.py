@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,26 @@ def _training(run_dir: Path) -> bool:
     return any(r["kind"] == "train" and r["updates"] > 0 for r in records)
 
 
+def _bounded(call, seconds: float, what: str):
+    """`call()`'s result; fails after `seconds` s if it has not returned (a blocked read, a hung close)."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, call()))
+        except BaseException as error:
+            result.append((False, error))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"not within {seconds:.0f} s: {what}"
+    done, value = result[0]
+    if not done:
+        raise value
+    return value
+
+
 def _receive_until(pool: WorkerPool, replay: Replay, condition, seconds: float = 180.0) -> list:
     chunks = []
     deadline = time.monotonic() + seconds
@@ -118,6 +139,13 @@ def _receive_until(pool: WorkerPool, replay: Replay, condition, seconds: float =
             replay.add_chunk(chunk.stream, chunk.records)
             chunks.append(chunk)
     return chunks
+
+
+def _stop_with_a_chunk_waiting(pool: WorkerPool, index: int) -> None:
+    """SIGSTOPs worker `index` once a chunk of it waits unread in its pipe. Reading that chunk then
+    blocks the reader: its tensors come through the stopped worker (torch's fd sharing)."""
+    _until(lambda: pool.pipes[index].poll(), 120, f"a chunk of worker {index} waiting")
+    os.kill(pool.processes[index].pid, signal.SIGSTOP)
 
 
 def test_a_stopped_worker_is_killed_and_restarted_while_the_other_goes_on():
@@ -135,22 +163,21 @@ def test_a_stopped_worker_is_killed_and_restarted_while_the_other_goes_on():
     stopped = pool.processes[0]
     try:
         _receive_until(pool, replay, lambda got: {0, 1} <= {c.stream for c in got})
+        _stop_with_a_chunk_waiting(pool, 0)
+        snapshot, other = replay.stored(0), pool.stepped[1]
         pool.stall_seconds = 3.0  # once started (a worker's start-up alone takes seconds)
-        os.kill(stopped.pid, signal.SIGSTOP)
-        time.sleep(0.5)  # a chunk it sent before stopping may still be on its way
-        snapshot = replay.stored(0)
 
         def restarted_and_delivered(got: list) -> bool:
             if pool.stalls:  # the replacement's start-up alone may take longer than 3 s on a busy machine
                 pool.stall_seconds = 600.0
             return bool(ends) and any(c.stream == 0 for c in got)
 
-        after = _receive_until(pool, replay, restarted_and_delivered)
-        before_restart = after[: next(i for i, c in enumerate(after) if c.stream == 0)]
-        # The other worker went on while this one was stopped (its chunks every few steps, over 3 s).
-        assert sum(c.stream == 1 for c in before_restart) >= 2
+        after = _bounded(lambda: _receive_until(pool, replay, restarted_and_delivered), 200,
+                         "the stopped worker restarted")
         assert pool.stalls == 1 and pool.restarts >= 1 and [stream for stream, _ in ends] == [0]
         assert not _alive(stopped.pid) and pool.processes[0] is not stopped
+        # The other worker went on meanwhile, and its chunks arrived.
+        assert pool.stepped[1] - other >= 16 and sum(c.stream == 1 for c in after) >= 2
         stored = replay.stored(0)[: snapshot.shape[0]]
         for key in ("state", "belief", "action", ("next", "observation"), ("next", "reward")):
             assert torch.equal(stored.get(key), snapshot.get(key)), key  # nothing already in replay is lost
@@ -165,25 +192,23 @@ def test_a_stopped_worker_is_killed_and_restarted_while_the_other_goes_on():
 
 
 def test_closing_a_pool_with_a_stopped_worker_returns_at_once_and_leaves_no_process():
-    """The ingest thread runs (it may be blocked in the stopped worker's pipe); Ingest.close then
-    WorkerPool.close, the trainer's order, return in seconds and no worker is left, the stopped one included."""
+    """The ingest thread is blocked reading a stopped worker's chunk; Ingest.close then WorkerPool.close,
+    the trainer's order, return in seconds and no worker is left, the stopped one included."""
     layout, agent = _agent()
     replay = Replay(2, 4000, 2, 4, torch.device("cpu"))
     inference = Inference(agent.policy, layout, SIZE, clients=2, device=torch.device("cpu")).start()
     pool = WorkerPool(ENV, 0, layout, SIZE, inference.clients, chunk=8, suite="gym").start()
-    ingest = Ingest(pool, replay).start()
     workers = [process.pid for process in pool.processes]
+    ingest = Ingest(pool, replay)
     try:
-        _until(lambda: ingest.take(timeout=1.0)[0], 180, "a chunk from the workers")
-        os.kill(workers[0], signal.SIGSTOP)
-        time.sleep(1.0)
-        start = time.monotonic()
-        ingest.close()
-        pool.close()
-        seconds = time.monotonic() - start
-        assert seconds < 20, f"closing took {seconds:.1f} s"  # a bound on a hang, not a speed claim
+        _receive_until(pool, replay, lambda got: {0, 1} <= {c.stream for c in got})
+        _stop_with_a_chunk_waiting(pool, 0)
+        ingest.start()
+        _until(lambda: pool.blocked(2.0), 60, "the ingest thread blocked in the stopped worker's chunk")
+        _bounded(lambda: (ingest.close(), pool.close()), 12, "closing")  # a bound on a hang, not a speed claim
         assert not [pid for pid in workers if _alive(pid)]
         assert not any(process.is_alive() for process in pool.processes)
+        _until(lambda: not ingest.thread.is_alive(), 10, "the ingest thread ends")
     finally:
         for pid in workers:
             if _alive(pid):
@@ -234,7 +259,8 @@ SUBREAPER = textwrap.dedent("""
 
 
 def test_the_children_of_a_trainer_killed_under_a_subreaper_end_with_it(tmp_path):
-    """Adopted by a subreaper, not by pid 1, the workers, the server and the resource tracker still end."""
+    """Adopted by a subreaper, not by pid 1, the workers (a stopped one too), the server and the resource
+    tracker still end."""
     run_dir = tmp_path / "runs" / "faults"
     helper = subprocess.Popen([sys.executable, "-c", SUBREAPER, str(tmp_path / "output"), *RUN], cwd=tmp_path,
                               env=_environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -244,8 +270,10 @@ def test_the_children_of_a_trainer_killed_under_a_subreaper_end_with_it(tmp_path
         _until(lambda: _training(run_dir) or not _alive(trainer), 300, "training started")
         assert _alive(trainer), (tmp_path / "output").read_text()[-3000:]
         run = _descendants(trainer)
-        assert len([pid for pid in run if "spawn_main" in _cmdline(pid)]) >= 3  # the server and 2 workers
+        spawned = [pid for pid in run if "spawn_main" in _cmdline(pid)]
+        assert len(spawned) >= 3  # the server and 2 workers
         assert any("resource_tracker" in _cmdline(pid) for pid in run)
+        os.kill(max(spawned, key=lambda pid: int(_stat(pid)[19])), signal.SIGSTOP)  # a worker: it cannot look
         os.kill(trainer, signal.SIGKILL)
         _until(lambda: not _left(run), 30, "the trainer's children end")
     finally:
