@@ -248,6 +248,33 @@ def test_a_killed_inference_server_stops_the_run_with_one_line_a_checkpoint_and_
     _until(lambda: not _left(run), 30, "the run's processes end")
 
 
+def test_sigterm_with_a_stopped_worker_saves_and_exits_leaving_no_process(tmp_path):
+    run_dir = tmp_path / "runs" / "faults"
+    with open(tmp_path / "output", "w") as out:
+        trainer = subprocess.Popen([sys.executable, "-m", "dreamer.train", *RUN], cwd=tmp_path, env=_environment(),
+                                   stdout=out, stderr=out, start_new_session=True)
+    run: dict[int, str] = {}
+    try:
+        _until(lambda: _training(run_dir) or trainer.poll() is not None, 300, "training started")
+        assert trainer.poll() is None, (tmp_path / "output").read_text()[-3000:]
+        run = _descendants(trainer.pid)
+        spawned = [pid for pid in run if "spawn_main" in _cmdline(pid)]
+        os.kill(max(spawned, key=lambda pid: int(_stat(pid)[19])), signal.SIGSTOP)  # a worker
+        time.sleep(1.0)
+        trainer.send_signal(signal.SIGTERM)
+        code = trainer.wait(timeout=90)  # one signal is enough: nothing waits on the stopped worker
+        output = (tmp_path / "output").read_text()
+        assert code == 0 and "SIGTERM received; saved at" in output, output[-3000:]
+        assert list((run_dir / "checkpoints").glob("ckpt-*.pt"))
+        _until(lambda: not _left(run), 30, "the run's processes end")
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+        for pid in _left(run):
+            os.kill(pid, signal.SIGKILL)
+
+
 SUBREAPER = textwrap.dedent("""
     import ctypes, os, subprocess, sys
     ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
