@@ -16,9 +16,10 @@ batched inference server (`dreamer.inference`): each worker sends its records to
 replay beside the training loop's updates. A worker that dies (killed, crashed) is restarted in
 place; the records it had not sent yet are lost, its replay stream is ended as truncated at the last
 record the trainer received, and the new worker starts a fresh episode. A worker that stops stepping
-(a hung simulator, a stopped process) is killed by the pool's own thread, never by a reader of its
-pipe, which a worker stopped halfway through a message would block; its death then unblocks that
-reader and it is restarted like any dead worker. Workers die with the trainer (`dreamer.reaper`).
+(a hung simulator, a stopped process) is killed by the pool's own thread, never by the reader of the
+pipes, which a stopped worker can block: a chunk's tensors are fetched from the process that sent them
+(torch's file-descriptor sharing), and a message can stop halfway. Its death ends that read, and it is
+restarted like any dead worker. Workers die with the trainer (`dreamer.reaper`).
 """
 
 from __future__ import annotations
@@ -357,6 +358,7 @@ class WorkerPool:
         self.reading_since = 0.0  # since when
         self._replace: queue.SimpleQueue = queue.SimpleQueue()  # dead workers for the watchdog to start
         self._closing = False
+        self._failure: BaseException | None = None  # what ended the watchdog, raised by `receive`
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="dreamer-worker-watchdog")
 
     def start(self) -> WorkerPool:
@@ -380,6 +382,12 @@ class WorkerPool:
         self.progress[index] = time.monotonic()
 
     def _watch(self) -> None:
+        try:
+            self._watch_loop()
+        except BaseException as error:  # e.g. no replacement could start: collection stops with it
+            self._failure = error
+
+    def _watch_loop(self) -> None:
         """The watchdog: starts replacements and kills workers that stopped stepping (class docstring)."""
         seen = list(self.stepped)
         while True:
@@ -436,6 +444,9 @@ class WorkerPool:
 
     def receive(self, timeout: float) -> list[Chunk]:
         """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
+        if self._failure is not None:
+            raise CollectionError(f"the env workers' watchdog failed with {type(self._failure).__name__}: "
+                                  f"{str(self._failure).splitlines()[0] if str(self._failure) else ''}")
         with self._lock:
             pipes = [pipe for pipe in self.pipes if pipe is not None]
         if not pipes:  # every worker is dead and waits for its replacement
@@ -453,6 +464,9 @@ class WorkerPool:
                 message = pipe.recv()
             except (EOFError, OSError, pickle.UnpicklingError):  # the worker died, maybe mid-message
                 message = None
+            except BaseException:
+                self._reading = None
+                raise
             self.read_seconds += time.perf_counter() - start
             if message is None:
                 self._dead(index)
@@ -479,7 +493,7 @@ class WorkerPool:
         while time.monotonic() < deadline and any(p is not None and p.is_alive() for p in self.processes):
             for index, pipe in enumerate(self.pipes):
                 # A worker blocked on a full pipe finishes its send, then sees stop. The bytes are read and
-                # dropped, not unpickled: a worker stopped halfway through a message cannot block that.
+                # dropped, not unpickled: a stopped worker cannot block that (module docstring).
                 if pipe is not None and index != self._reading and pipe.poll():
                     try:
                         os.read(pipe.fileno(), 1 << 16)
