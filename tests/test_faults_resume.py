@@ -132,17 +132,18 @@ def _start(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
 
 
 def test_sigkill_at_random_moments_then_rerun_always_resumes_from_an_intact_checkpoint(workdir):
-    """20 SIGKILLs of the whole process group at random moments (saves are every 16 env steps, so many
-    land during one), each followed by the same command: every rerun resumes from the newest intact
-    checkpoint with every replay record it holds, leaves no temporary file, and the finished run's
-    metrics have no record twice."""
+    """20 SIGKILLs (FAULT_KILLS=N for more) of the whole process group at random moments (saves are every
+    16 env steps, so many land during one), each followed by the same command: every rerun resumes from
+    the newest intact checkpoint with every replay record it holds, leaves no temporary file, and the
+    finished run's metrics have no record twice."""
+    kills = int(os.environ.get("FAULT_KILLS", "20"))
     rng = random.Random(0)
     run = workdir / "runs" / "kill"
     base = SMOKE + ["run.name=kill", "run.save_every=16", "run.log_every=16", "run.keep_checkpoints=2",
                     "run.train_start=32"]
     args = base + ["run.steps=100000"]
     resumed = 0
-    for attempt in range(20):
+    for attempt in range(kills):
         expected = None
         found = checkpoint.list_checkpoints(run)
         if found:
@@ -154,6 +155,8 @@ def test_sigkill_at_random_moments_then_rerun_always_resumes_from_an_intact_chec
         deadline = time.monotonic() + 120
         while "env steps" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # until it reports progress (started, maybe resumed)
+        while not checkpoint.list_checkpoints(run) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first run: until there is a checkpoint to come back to
         time.sleep(rng.uniform(0.0, 3.0))
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
@@ -163,10 +166,15 @@ def test_sigkill_at_random_moments_then_rerun_always_resumes_from_an_intact_chec
             step, records = expected
             assert f"at {step:,} env steps with {records:,} replay records" in out, (expected, out[-2000:])
             resumed += 1
-    assert resumed >= 15  # nearly every attempt found a checkpoint to resume from
-    last = checkpoint.step_of(checkpoint.list_checkpoints(run)[-1])
+    newest = checkpoint.list_checkpoints(run)[-1]
+    last, state = checkpoint.step_of(newest), checkpoint.load(newest)
+    records = sum(min(count, state["replay"]["capacity"]) for count in state["replay"]["counts"])
     final = run_train(base + [f"run.steps={last + 32}"], workdir)
     assert final.returncode == 0, final.stderr[-3000:]
+    assert f"at {last:,} env steps with {records:,} replay records" in final.stdout
+    resumed += 1
+    assert resumed == kills  # every kill came after a first checkpoint: every rerun resumed from the newest
+    print(f"{kills} kills: {resumed} reruns resumed from the newest checkpoint, each with its replay")
     assert not list(checkpoint.folder(run).rglob(".tmp-*"))
     train = [r["env_steps"] for r in _records(run) if r["kind"] == "train"]
     assert train == sorted(set(train))  # no record twice: the ones newer than a resumed checkpoint were dropped
