@@ -17,7 +17,8 @@ Two mechanisms, because each covers what the other cannot:
   attribute of it is touched) and starts a reaper: a process in a session of its own, so a signal to the
   trainer's group does not reach it. It waits for the trainer to end (a pidfd, and the end of a pipe
   only the trainer writes to), then SIGKILLs the children the trainer registered that are still alive
-  (matched by start time, never a reused pid) and unlinks the semaphores carrying the trainer's pid.
+  (matched by start time, never a reused pid: a second line of defence for a child whose death signal
+  was lost, e.g. started from a thread that ended) and unlinks the semaphores carrying the trainer's pid.
   After a clean exit there is nothing left to do, and it exits as well. It runs this file with the
   standard library only (`python -I -S`), so it starts in milliseconds and imports nothing of the run.
 """

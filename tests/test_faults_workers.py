@@ -8,6 +8,7 @@ instead of hanging. Processes are found through /proc: the descendants of a trai
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from dreamer import reaper
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
-from dreamer.collect import Ingest, WorkerPool
+from dreamer.collect import CollectionError, Ingest, WorkerPool
 from dreamer.envs import make_env
 from dreamer.inference import Inference
 from dreamer.reaper import semaphore_prefix
@@ -148,6 +150,14 @@ def _stop_with_a_chunk_waiting(pool: WorkerPool, index: int) -> None:
     os.kill(pool.processes[index].pid, signal.SIGSTOP)
 
 
+def test_the_run_names_its_semaphores_after_the_trainer():
+    """dreamer.reaper finds a run's semaphores by their names: multiprocessing's private `semprefix`, the
+    one place it touches, still names them."""
+    reaper.guard()
+    semaphore = multiprocessing.get_context("spawn").Semaphore(0)
+    assert semaphore._semlock.name.startswith(semaphore_prefix(os.getpid()) + "-")
+
+
 def test_a_stopped_worker_is_killed_and_restarted_while_the_other_goes_on():
     layout, agent = _agent()
     replay = Replay(2, 4000, 2, 4, torch.device("cpu"))
@@ -217,6 +227,22 @@ def test_closing_a_pool_with_a_stopped_worker_returns_at_once_and_leaves_no_proc
         pool.close()
         inference.close()
         replay.close()
+
+
+def test_a_killed_inference_server_process_is_a_collection_error_for_every_call_of_the_trainer():
+    """The calls the training loop makes on the server (weight sync, statistics) raise CollectionError,
+    one line with the exit code: the loop saves a checkpoint and stops on that error."""
+    layout, agent = _agent()
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu"), process=True).start()
+    try:
+        assert inference.sync() and inference.sync.wait(60) and inference.stats()["inference/weight_syncs"] == 1
+        os.kill(inference.process.pid, signal.SIGKILL)
+        inference.process.join(timeout=30)
+        for call in (inference.sync, inference.stats, inference.sync):  # and again: no other error later
+            with pytest.raises(CollectionError, match=r"^the inference server stopped \(exit code -9\)$"):
+                call()
+    finally:
+        _bounded(inference.close, 30, "closing a dead server")
 
 
 def _server_pid(trainer: int) -> int:
