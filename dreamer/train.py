@@ -236,8 +236,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             records, episodes = collector.step()
             replay.add(records)
             return cfg.run.envs, episodes
-        if not inference.alive:  # checked here too: before the loop's next weight sync meets a dead server
-            raise CollectionError("the inference server stopped")
+        inference.check()  # here too: before the loop's next weight sync meets a dead server
         return ingest.take(timeout=1.0)  # the chunks are added to replay by the ingest thread
 
     def step() -> None:
