@@ -367,21 +367,39 @@ class Replay:
             self.appended[stream] += records.shape[0]
         self.added += records.shape[0]
 
-    def snapshot(self, stream: int, since: int) -> tuple[int, int, TensorDictBase | None]:
-        """(count, first, records): the records of `stream` from position `since` (or its oldest still
-        held) up to `count`, the number it has received, context included, as copies; records is None
-        when there are none. Read under the stream's lock: its inserts and write-backs wait meanwhile,
-        sampling and the other streams do not."""
+    def snapshot(self, stream: int, since: int, piece: int = 2048) -> tuple[int, int, TensorDictBase | None]:
+        """(count, first, records): copies of the records of `stream` from position `since` (or the oldest
+        it still holds) up to `count`, the number it had received when the call began, context included;
+        records is None when there are none.
+
+        The copy is made `piece` records at a time under the stream's lock (its inserts and write-backs
+        wait only that long; sampling and the other streams not at all). A record evicted by an insert
+        between two pieces is no longer in replay and is left out, so `first` can move forward: what is
+        returned is always a run of consecutive positions that replay held.
+        """
         member = self.buffer._rbs[stream]
         with member._replay_lock:
-            count, length = self.appended[stream], len(member)
-            first = max(since, count - length)
-            if first >= count:
-                return count, count, None
-            newest = (member.writer._cursor - 1) % self.capacity
-            slots = (newest - (count - 1 - torch.arange(first, count))) % self.capacity
-            records = member.storage._storage[slots].exclude(STREAM_KEY)
-        return count, first, records
+            count = self.appended[stream]
+            first = max(since, count - len(member))
+        pieces, start = [], first
+        while start < count:
+            with member._replay_lock:
+                oldest = self.appended[stream] - self.capacity  # positions before it were evicted meanwhile
+                if start < oldest:  # eviction runs oldest first: the pieces copied so far are gone too
+                    pieces, start = [], oldest
+                if not pieces:
+                    first = start
+                end = min(count, start + piece)
+                if start >= end:
+                    break
+                newest = (member.writer._cursor - 1) % self.capacity
+                positions = torch.arange(start, end)
+                slots = (newest - (self.appended[stream] - 1 - positions)) % self.capacity
+                pieces.append(member.storage._storage[slots].exclude(STREAM_KEY))
+            start = end
+        if not pieces:
+            return count, count, None
+        return count, first, torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def restore(self, stream: int, records: TensorDictBase, count: int) -> None:
         """Appends saved records [k] of `stream` (its oldest first); `count`: the position after the

@@ -139,11 +139,11 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
 
     eval_env = make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)
     layout = EnvLayout.from_specs(eval_env.observation_spec, eval_env.action_spec)
+    replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size, settings.loss)
     learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
                       progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
-    replay = make_replay(cfg, layout, settings, run_dir)
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
@@ -325,7 +325,7 @@ def check_run_folder(argv: list[str]) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     folders = {Path(cfg.hydra.run.dir)}
-    if OmegaConf.is_missing(cfg.run, "dir") or "hydra:" not in str(OmegaConf.to_container(cfg.run)["dir"]):
+    if "hydra:" not in str(OmegaConf.to_container(cfg.run)["dir"]):  # run.dir set apart from Hydra's folder
         folders.add(Path(str(cfg.run.dir)))
     for path in folders:
         existing = path

@@ -299,3 +299,39 @@ def test_a_replay_on_disk_trains_and_resumes(workdir):
     assert not list((workdir / "runs" / "disk" / "replay-mmap").glob("*"))  # unlinked once mapped
     result = run_train(args[:-2] + ["run.steps=192", "replay.storage=disk"], workdir)
     assert result.returncode == 0 and "with 128 replay records" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_snapshot_racing_inserts_returns_consecutive_records_the_replay_held():
+    """Inserts between the pieces of a snapshot evict its oldest records: it returns a run of consecutive
+    positions, all of which replay held, ending where the call began."""
+    replay = Replay(1, 10, 1, 3, torch.device("cpu"), seed=0)
+    for step in range(10):
+        replay.add(_stream_records(step, 1))
+    member = replay.buffer._rbs[0]
+    real_lock, entered = member._replay_lock, []
+
+    # Inserts before the lock's 3rd, 4th and 5th takes (the 1st reads the count, the 2nd is the length
+    # torchrl reads under it): the first piece copied is [1, 4); then 4 inserts evict up to position 5,
+    # past that piece, which must be dropped; the last piece is [8, 10).
+    inserts = {2: 1, 3: 4, 4: 1}
+
+    class InsertingLock:
+        """The stream's lock, with inserts just before some of its takes."""
+
+        def __enter__(self):
+            member._replay_lock = real_lock
+            for _ in range(inserts.get(len(entered), 0)):
+                replay.add(_stream_records(replay.appended[0], 1))
+            member._replay_lock = self
+            entered.append(1)
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    member._replay_lock = InsertingLock()
+    count, first, records = replay.snapshot(0, 0, piece=3)
+    member._replay_lock = real_lock
+    t = records.get("t").tolist()
+    assert count == 10 and first == 5 and t == [float(p) for p in range(5, 10)]
+    replay.close()
