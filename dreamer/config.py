@@ -149,7 +149,8 @@ RANGES = (
         "head_layers", "actor_layers", "critic_layers", "imag_layers", "obs_layers", "dyn_layers", "kernel")),
 )
 CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers"),
-           "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru")}
+           "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
+           "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True)}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
@@ -168,9 +169,11 @@ def _check_ranges(cfg: DictConfig) -> None:
         if not math.isfinite(value) or not allowed(value):  # inf or nan is never a setting
             raise ConfigError(f"{key} must be {words}, got {value}")
     for key, choices in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+        # A key missing from an older run folder's config.yaml takes its first choice, the default.
+        value = OmegaConf.select(cfg, key, default=choices[0])
+        if isinstance(value, bool) != isinstance(choices[0], bool) or value not in choices:
+            names = [str(c).lower() if isinstance(c, bool) else c for c in choices]  # as YAML spells them
+            raise ConfigError(f"{key} must be {', '.join(names[:-1])} or {names[-1]}, got {value!r}")
     if not isinstance(cfg.run.eval_video, bool):
         raise ConfigError(f"run.eval_video must be true or false, got {cfg.run.eval_video!r}")
     mults = cfg.model.mults

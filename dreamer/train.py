@@ -73,9 +73,7 @@ def train(cfg: DictConfig) -> None:
 def make_replay(cfg: DictConfig, layout: EnvLayout, settings, run_dir: Path) -> Replay:
     """The replay of `replay.size` records, after checking that it fits where it is kept (one line with
     what would fit if it does not); prints what it takes."""
-    storage = cfg.replay.storage
-    if storage not in ("memory", "disk"):
-        raise ConfigError(f"replay.storage must be memory or disk, got {storage!r}")
+    storage = cfg.replay.storage  # memory or disk (checked by validate)
     per_record = record_bytes(request_spec(layout, settings.size))
     capacity = cfg.replay.size // cfg.run.envs
     records = capacity * cfg.run.envs
