@@ -344,7 +344,7 @@ def load(path: Path) -> dict:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         if "Weights only load failed" in reason or "weights_only" in reason:
             reason = "it holds objects other than tensors and plain values, which are never unpickled"
-        raise CheckpointError(f"checkpoint {path} is corrupt, truncated or not a dreamer checkpoint ({reason})") from None
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({reason})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a dreamer checkpoint of format {FORMAT}")
     return state

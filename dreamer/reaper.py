@@ -125,7 +125,13 @@ def _reap(trainer: int) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-    for path in glob.glob(os.path.join(SHM, "sem." + semaphore_prefix(trainer).lstrip("/") + "-*")):
+    # The run's semaphores, and the CUDA driver's files of the trainer's CUDA IPC (it shares the weight
+    # staging buffers with a GPU inference server): `cuda.shm.<device>.<pid in hex>.<n>`, which the driver
+    # leaves behind when the consumer still held a shared buffer as the trainer ended (seen on the H200
+    # machine after every GPU run with the server in its own process). Their process is gone now.
+    leftovers = glob.glob(os.path.join(SHM, "sem." + semaphore_prefix(trainer).lstrip("/") + "-*"))
+    leftovers += glob.glob(os.path.join(SHM, f"cuda.shm.*.{trainer:x}.*"))
+    for path in leftovers:
         try:
             os.unlink(path)
         except OSError:
