@@ -10,37 +10,19 @@ the last good observation (repeated once with done set, reward 0), so replay nev
 `max_restarts` failures in a row of the same env stop collection with a CollectionError. Non-finite
 observations or rewards stop it at once: they mean the env is broken, not unlucky.
 
-`WorkerPool` runs the same collector in `run.envs` worker processes, one env each, acting through the
-batched inference server (`dreamer.inference`): each worker sends its records to the trainer in chunks of
-`run.chunk` consecutive records over its own pipe; `Ingest`, a thread of the trainer, adds them to
-replay beside the training loop's updates. A worker that dies (killed, crashed) is restarted in
-place; the records it had not sent yet are lost, its replay stream is ended as truncated at the last
-record the trainer received, and the new worker starts a fresh episode. A worker that stops stepping
-(a hung simulator, a stopped process) is killed by the pool's own thread, never by the reader of the
-pipes, which a stopped worker can block: a chunk's tensors are fetched from the process that sent them
-(torch's file-descriptor sharing), and a message can stop halfway. Its death ends that read, and it is
-restarted like any dead worker. Workers die with the trainer (`dreamer.reaper`).
+The worker processes that run this collector one env each live in `dreamer.workers`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import pickle
-import queue
-import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase, ExplorationType, set_exploration_type
 
-from dreamer import reaper
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
 
 FLAGS = ("done", "terminated")
@@ -100,6 +82,10 @@ class Collector:
         self.failures = [0] * n  # failures in a row, per env
         self.faulted = [False] * n
         self.restarts = 0
+        # Seconds spent, summed over calls of `step`: in the policy's call (for a worker: the inference
+        # server's round trip), in the envs' own calls (step, reset, rebuild), and in all of `step`; the
+        # rest of `step` is this class's own work (records, checks).
+        self.seconds = {"policy": 0.0, "env": 0.0, "step": 0.0}
 
     def _observe(self, td: TensorDictBase, first: bool, index: int) -> TensorDictBase:
         out = td.select(*self.keys).clone()
@@ -198,14 +184,17 @@ class Collector:
 
     def step(self) -> tuple[TensorDictBase, list[Episode]]:
         """One step of every env: returns the records [n envs] (host) and the episodes that ended."""
+        began = time.perf_counter()
         if self.observed is None:
             self.reset()
         record = self.carry.clone()
         record.set("is_init", self.is_init.clone())
         record.set("next", torch.stack(self.observed))
         exploration = ExplorationType.RANDOM if self.explore else ExplorationType.DETERMINISTIC
+        asked = time.perf_counter()
         with set_exploration_type(exploration):
             acted = self.policy(record.to(self.device)).get("policy").to("cpu")
+        self.seconds["policy"] += time.perf_counter() - asked
         action = acted.get("action").float()
         episodes = []
         for i, env in enumerate(self.envs):
@@ -215,12 +204,16 @@ class Collector:
             ended = bool(self.observed[i].get("done"))
             if ended:
                 episodes.append(self._end_episode(i))
+            clock = time.perf_counter()
             try:
                 if ended:
                     self._reset_or_rebuild(i)
                 else:
                     self.states[i].set("action", self._env_action(env, action[i]))
+                    clock = time.perf_counter()
                     self.states[i] = env.step(self.states[i]).get("next")
+                    self.seconds["env"] += time.perf_counter() - clock
+                    clock = None
                     self.observed[i] = self._observe(self.states[i], first=False, index=i)
                     self.is_init[i] = False
                     self.failures[i] = 0
@@ -229,9 +222,12 @@ class Collector:
             except Exception as error:  # the env broke: rebuild it, truncate its episode
                 self._fail(i, error)
                 self.is_init[i] = False
+            if clock is not None:  # a reset, a rebuild or a failed step: env time too
+                self.seconds["env"] += time.perf_counter() - clock
         self.carry = TensorDict(
             state=acted.get("state"), belief=acted.get("belief"), action=action, batch_size=[len(self.envs)]
         )
+        self.seconds["step"] += time.perf_counter() - began
         return record, episodes
 
     def run_episodes(self, count: int, stop: Callable[[], bool] | None = None) -> list[Episode]:
@@ -246,397 +242,3 @@ class Collector:
     def close(self) -> None:
         for env in self.envs:
             env.close()
-
-
-class _RemotePolicy:
-    """The acting policy of a worker process: one request to the inference server per step."""
-
-    def __init__(self, client):
-        self.client = client
-
-    def __call__(self, record: TensorDictBase) -> TensorDictBase:
-        answer = self.client(record[0])
-        record.set("policy", answer.get("policy").unsqueeze(0))
-        return record
-
-
-@dataclass
-class Chunk:
-    """Consecutive records [k] of one env stream, and the episodes that ended in them."""
-
-    stream: int
-    records: TensorDictBase
-    episodes: list[Episode]
-    env_restarts: int  # env rebuilds inside the worker (the env raised), since its last chunk
-
-
-def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, client,
-                 writer: Connection, stop, chunk: int, suite: str, max_restarts: int, stepped,
-                 trainer: int) -> None:
-    """One env worker: steps its env with the server's actions and sends chunks until `stop` is set."""
-    reaper.bind(trainer)  # first: it dies with the trainer, however that dies
-    from omegaconf import OmegaConf
-
-    from dreamer.envs import make_env
-
-    # Stopping is the trainer's call (it saves first, then closes the pool): Ctrl-C or a SIGTERM sent to
-    # the whole process group must not kill the workers under it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(1)
-    cfg = OmegaConf.create(env_cfg)
-    collector = None
-    try:
-        for attempt in range(1, max_restarts + 1):  # starting an env can fail now and then (MineRL does)
-            try:
-                env = make_env(cfg, seed, index)
-                break
-            except Exception as error:
-                if attempt == max_restarts:
-                    reason = str(error).splitlines()[0] if str(error) else ""
-                    raise CollectionError(f"{suite} env {index} could not be created {attempt} times in a row, "
-                                          f"last with {type(error).__name__}: {reason}; stopping") from None
-        collector = Collector([env], lambda _: make_env(cfg, seed, index), _RemotePolicy(client), layout, size,
-                              torch.device("cpu"), suite=suite, max_restarts=max_restarts)
-        records, episodes, restarts = [], [], 0
-        while not stop.is_set():
-            record, ended = collector.step()
-            records.append(record)
-            stepped[index] += 1  # this worker's slot only: no lock
-            episodes += [Episode(index, e.score, e.length, e.truncated_by_fault, e.stats) for e in ended]
-            if len(records) >= chunk:
-                writer.send(Chunk(index, torch.cat(records), episodes, collector.restarts - restarts))
-                restarts = collector.restarts
-                records, episodes = [], []
-    except CollectionError as error:
-        writer.send(str(error).replace(f"{suite} env 0 ", f"{suite} env {index} "))
-    except (BrokenPipeError, EOFError):  # the trainer is gone
-        pass
-    finally:
-        if collector is not None:
-            collector.close()
-
-
-class WorkerPool:
-    """`len(clients)` env worker processes (spawned), their chunk pipes, and their restarts.
-
-    `on_restart(stream)` runs in the caller of `receive` before a dead worker's replacement starts (the
-    replay stream is ended there, and the inference slot cleared). A worker that takes no step for
-    `stall_seconds` (a hung simulator, a stopped process) while no chunk of it waits unread is killed
-    by the pool's thread and restarted the same way. A worker that dies `max_restarts` times without
-    delivering a chunk in between stops collection with a CollectionError.
-
-    The pool's thread (the watchdog) also starts the replacements: a worker dies with the thread that
-    started it (`dreamer.reaper`), and this thread lives as long as the pool, unlike a reader's.
-    """
-
-    def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
-                 chunk: int = 64, suite: str = "env", max_restarts: int = 10,
-                 on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0):
-        reaper.guard()  # before the pool makes its first semaphores
-        self.args = (env_cfg, seed, layout, size)
-        self.clients, self.chunk, self.suite, self.max_restarts = clients, chunk, suite, max_restarts
-        self.on_restart = on_restart
-        self.stall_seconds = stall_seconds
-        self.stalls = 0  # workers killed for taking no step in stall_seconds
-        self.context = multiprocessing.get_context("spawn")
-        self.stop = self.context.Event()
-        n = len(clients)
-        self.processes: list = [None] * n
-        self.pipes: list[Connection | None] = [None] * n  # None: dead, its replacement not started yet
-        self.progress = [0.0] * n  # when each worker was started, last stepped, or had a chunk waiting
-        self.deaths = [0] * n  # deaths in a row, per worker
-        self.restarts = 0  # worker restarts plus env rebuilds inside workers
-        self.read_seconds = 0.0  # time spent reading and unpickling chunks (not waiting for them)
-        # Env steps taken by each worker so far, chunks not yet sent included (shared memory, one writer
-        # per slot): a rate over a short window is exact to the step, not to the chunk; the watchdog's
-        # sign of life.
-        self.stepped = self.context.RawArray("q", n)
-        # Guards processes and pipes: the watchdog starts and kills workers, a reader drops dead ones.
-        self._lock = threading.Lock()
-        self._reading: int | None = None  # the worker whose pipe `receive` is reading from
-        self.reading_since = 0.0  # since when
-        self._replace: queue.SimpleQueue = queue.SimpleQueue()  # dead workers for the watchdog to start
-        self._closing = False
-        self._failure: BaseException | None = None  # what ended the watchdog, raised by `receive`
-        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="dreamer-worker-watchdog")
-
-    def start(self) -> WorkerPool:
-        with self._lock:
-            for index in range(len(self.clients)):
-                self._spawn(index)
-        self._watchdog.start()
-        return self
-
-    def _spawn(self, index: int) -> None:
-        reader, writer = self.context.Pipe(duplex=False)
-        env_cfg, seed, layout, size = self.args
-        process = self.context.Process(
-            target=_worker_main, name=f"dreamer-env-{index}", daemon=True,
-            args=(index, env_cfg, seed, layout, size, self.clients[index], writer, self.stop, self.chunk,
-                  self.suite, self.max_restarts, self.stepped, os.getpid()))
-        process.start()
-        reaper.register(process.pid)
-        writer.close()  # the worker holds the only writer: its death closes the pipe
-        self.processes[index], self.pipes[index] = process, reader
-        self.progress[index] = time.monotonic()
-
-    def _watch(self) -> None:
-        try:
-            self._watch_loop()
-        except BaseException as error:  # e.g. no replacement could start: collection stops with it
-            self._failure = error
-
-    def _watch_loop(self) -> None:
-        """The watchdog: starts replacements and kills workers that stopped stepping (class docstring)."""
-        seen = list(self.stepped)
-        while True:
-            try:
-                replace = self._replace.get(timeout=min(0.5, self.stall_seconds / 4))
-            except queue.Empty:
-                replace = None
-            with self._lock:
-                if self._closing:
-                    return
-                if replace is not None:
-                    self._spawn(replace)
-                now = time.monotonic()
-                for index, (process, pipe) in enumerate(zip(self.processes, self.pipes)):
-                    if self.stepped[index] != seen[index]:
-                        seen[index] = self.stepped[index]
-                        self.progress[index] = now
-                    elif pipe is None or not process.is_alive():
-                        continue
-                    elif self._reading != index and pipe.poll():
-                        # A chunk waiting unread is not a stall: the trainer did not read (an evaluation,
-                        # or the reader holding back while the learner catches up).
-                        self.progress[index] = now
-                    elif now - self.progress[index] > self.stall_seconds:
-                        process.kill()  # also a stopped one; its pipe reports the death to the reader
-                        self.stalls += 1
-                        self.progress[index] = now
-
-    def _dead(self, index: int) -> None:
-        """A worker's pipe closed: it is gone. Its replacement is started by the watchdog."""
-        with self._lock:
-            self._reading = None
-            process, pipe = self.processes[index], self.pipes[index]
-            if pipe is None:  # closed meanwhile by `close`
-                return
-            self.pipes[index] = None
-            pipe.close()
-            process.join(timeout=5)  # its pipe closed when it exited: at most the time to end a process
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-            if self._closing:
-                return
-            self.deaths[index] += 1
-            self.restarts += 1
-        if self.deaths[index] >= self.max_restarts:
-            raise CollectionError(
-                f"{self.suite} env worker {index} died {self.deaths[index]} times in a row "
-                f"(last exit code {process.exitcode}); stopping"
-            )
-        if self.on_restart is not None:
-            self.on_restart(index)
-        self._replace.put(index)
-
-    def receive(self, timeout: float) -> list[Chunk]:
-        """The chunks that arrive within `timeout` s (all that are ready, at least one if any comes)."""
-        if self._failure is not None:
-            raise CollectionError(f"the env workers' watchdog failed with {type(self._failure).__name__}: "
-                                  f"{str(self._failure).splitlines()[0] if str(self._failure) else ''}")
-        with self._lock:
-            pipes = [pipe for pipe in self.pipes if pipe is not None]
-        if not pipes:  # every worker is dead and waits for its replacement
-            time.sleep(timeout)
-            return []
-        chunks = []
-        for pipe in wait(pipes, timeout):
-            with self._lock:
-                if pipe not in self.pipes:  # closed meanwhile by `close`
-                    continue
-                index = self.pipes.index(pipe)
-                self._reading, self.reading_since = index, time.monotonic()
-            start = time.perf_counter()
-            try:
-                message = pipe.recv()
-            except (EOFError, OSError, pickle.UnpicklingError):  # the worker died, maybe mid-message
-                message = None
-            except BaseException:
-                self._reading = None
-                raise
-            self.read_seconds += time.perf_counter() - start
-            if message is None:
-                self._dead(index)
-                continue
-            self._reading = None
-            if isinstance(message, str):
-                raise CollectionError(message)
-            self.deaths[index] = 0
-            self.restarts += message.env_restarts
-            chunks.append(message)
-        return chunks
-
-    def blocked(self, seconds: float) -> bool:
-        """Whether `receive` has been reading one worker's pipe for more than `seconds` s."""
-        return self._reading is not None and time.monotonic() - self.reading_since > seconds
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stops every worker within about `timeout` s: those that do not end in time are killed (also a
-        stopped one), and none is restarted from here on."""
-        with self._lock:
-            self._closing = True
-        self.stop.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p is not None and p.is_alive() for p in self.processes):
-            for index, pipe in enumerate(self.pipes):
-                # A worker blocked on a full pipe finishes its send, then sees stop. The bytes are read and
-                # dropped, not unpickled: a stopped worker cannot block that (module docstring).
-                if pipe is not None and index != self._reading and pipe.poll():
-                    try:
-                        os.read(pipe.fileno(), 1 << 16)
-                    except OSError:
-                        pass
-            time.sleep(0.05)
-        for process in self.processes:
-            if process is not None and process.is_alive():  # blocked on the server, in its env, or stopped
-                process.kill()
-        for process in self.processes:
-            if process is not None:
-                process.join(timeout=5)
-        # A reader blocked in a recv got its end of file with the kill above; it drops that pipe itself.
-        wait_until = time.monotonic() + 2.0
-        while self._reading is not None and time.monotonic() < wait_until:
-            time.sleep(0.01)
-        with self._lock:
-            for index, pipe in enumerate(self.pipes):
-                if pipe is not None and index != self._reading:
-                    pipe.close()
-                    self.pipes[index] = None
-        if self._watchdog.is_alive():
-            self._watchdog.join(timeout=5)
-
-
-class Ingest:
-    """Moves the workers' chunks into replay from a thread of its own.
-
-    The training loop's thread then only samples, updates and writes back: reading a chunk (unpickling,
-    a shared-memory handle per tensor) and adding it to replay (a copy into its stream's storage) run
-    here, beside the loop's updates instead of between them. `take` hands the loop what was added since
-    its last call. A collection failure in the thread (a worker that keeps dying, a broken env, the
-    inference server gone) is raised by the next `take`, after the steps added before it.
-
-    Backpressure: with `max_pending` steps added and not yet taken, the thread stops reading until the
-    loop takes them; the workers' pipes then fill and the workers wait. A learner slower than
-    collection thus slows collection down to the train ratio, instead of owing updates for every step
-    collected meanwhile.
-    """
-
-    def __init__(self, pool: WorkerPool, replay, alive: Callable[[], bool] | None = None,
-                 max_pending: int | None = None, poll: float = 0.2):
-        self.pool, self.replay, self.alive, self.poll = pool, replay, alive, poll
-        self.max_pending = max_pending
-        self._taken = threading.Event()
-        self.add_seconds = 0.0  # this thread's time adding chunks to replay (reading: pool.read_seconds)
-        self.error: BaseException | None = None
-        self._steps, self._episodes = 0, []
-        self._lock = threading.Lock()
-        self._arrived = threading.Event()
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="dreamer-ingest")
-
-    def start(self) -> Ingest:
-        self.thread.start()
-        return self
-
-    def _loop(self) -> None:
-        # A CUDA stream of this thread's own, with no work on it: a library's wait for "the current
-        # stream" here then never waits for the learner's updates queued on the trainer's stream.
-        own = torch.cuda.stream(torch.cuda.Stream()) if torch.cuda.is_initialized() else contextlib.nullcontext()
-        with own:
-            self._receive_loop()
-
-    def _receive_loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if self.alive is not None and not self.alive():
-                    raise CollectionError("the inference server stopped")
-                if self.max_pending is not None and self._steps >= self.max_pending:
-                    self._taken.wait(self.poll)  # the loop has not taken the last ones yet
-                    self._taken.clear()
-                    continue
-                for chunk in self.pool.receive(timeout=self.poll):
-                    start = time.perf_counter()
-                    self.replay.add_chunk(chunk.stream, chunk.records)
-                    self.add_seconds += time.perf_counter() - start
-                    with self._lock:
-                        self._steps += chunk.records.shape[0]
-                        self._episodes += chunk.episodes
-                    self._arrived.set()
-        except BaseException as error:  # handed to the training loop by take()
-            self.error = error
-            self._arrived.set()
-
-    def take(self, timeout: float) -> tuple[int, list[Episode]]:
-        """(env steps added, episodes ended) since the last call; waits up to `timeout` s when there are none."""
-        if not self._steps and self.error is None:
-            self._arrived.wait(timeout)
-        with self._lock:
-            self._arrived.clear()
-            steps, episodes = self._steps, self._episodes
-            self._steps, self._episodes = 0, []
-        self._taken.set()
-        if not steps and self.error is not None:
-            raise self.error
-        return steps, episodes
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stops the thread (after the chunk in hand); the pool is closed by its owner afterwards.
-
-        A thread that has been reading one worker's pipe for a second is blocked by a worker stopped
-        halfway through a message: it is not waited for, the pool's close kills that worker, which
-        ends the read.
-        """
-        self._stop.set()
-        deadline = time.monotonic() + timeout
-        while self.thread.is_alive() and time.monotonic() < deadline:
-            if self.pool.blocked(1.0):
-                return
-            self.thread.join(0.05)
-
-
-def start_workers(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
-                  cudagraph: bool, replay) -> tuple:
-    """`run.collect=workers`: the inference server on `device` (started), then `run.envs` workers feeding
-    `replay`; returns (inference, pool). Raises CollectionError, one line, when the server cannot start.
-
-    `run.inference=auto` puts a GPU server in a process of its own, also when it shares the learner's GPU:
-    measured on one H200 (BENCHMARKS.md), the learner is busier and collection faster that way than with
-    the server as a thread, whose Python competes with the trainer's for one interpreter lock. A CPU
-    server runs as a thread of the trainer.
-    """
-    from omegaconf import OmegaConf
-
-    from dreamer.inference import Inference
-
-    own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and device.type == "cuda")
-    inference = Inference(policy, layout, size, cfg.run.envs, device, cudagraph,
-                          batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
-    try:
-        inference.start()
-    except RuntimeError as error:
-        inference.close()
-        raise CollectionError(f"the inference server did not start: {str(error).splitlines()[0]}") from None
-
-    def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
-        inference.forget_slot(stream)
-        replay.end_stream(stream)
-
-    pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, layout, size, inference.clients,
-                      cfg.run.chunk, cfg.env.suite, on_restart=restarted, stall_seconds=cfg.run.worker_stall_s)
-    pool.start()
-    print(f"dreamer: {cfg.run.envs} env worker processes, inference server on {device} "
-          f"({'its own process' if own_process else 'a thread'})", flush=True)
-    return inference, pool

@@ -17,13 +17,14 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import CollectionError, Collector, Ingest, start_workers
+from dreamer.collect import CollectionError, Collector
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
 from dreamer.inference import request_spec
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, summarize_episodes
+from dreamer.pipeline import Updates, make_source
 from dreamer.replay import Replay, available_memory, record_bytes
 
 EVAL_SEED_OFFSET = 1_000_000  # evaluation envs never share a seed with training envs
@@ -146,14 +147,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)
-    workers = cfg.run.collect == "workers"
-    collector = None if workers else Collector(
-        [make_env(cfg.env, cfg.seed, i) for i in range(cfg.run.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
-        agent.policy, layout, settings.size, device, suite=cfg.env.suite)
-    inference = pool = ingest = None  # the workers' inference server and processes start after the warm-up
+    source = make_source(cfg, agent.policy, layout, settings.size, settings.topology, settings.cudagraph, replay)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
-    # train_steps counts env steps collected while replay is ready, so refilling replay after a
-    # resume does not pile up a burst of owed updates.
+    # train_steps and owed_updates: see dreamer.pipeline.Updates.
     counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
     if resumed:
         path, state = resumed
@@ -217,57 +213,31 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         seconds = learner.warmup(learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
-    if workers:
-        try:
-            inference, pool = start_workers(cfg, agent.policy, layout, settings.size, settings.topology.inference,
-                                            settings.cudagraph, replay)
-        except CollectionError as error:
-            raise RunError(str(error)) from None
-        # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
-        ingest = Ingest(pool, replay, alive=lambda: inference.alive,
-                        max_pending=cfg.run.envs * cfg.run.chunk).start()
-    should_sync = Every(cfg.run.sync_every, learner.updates)
-
-    def gather() -> tuple[int, list]:
-        """The next records into replay: (env steps added, episodes ended)."""
-        if not workers:
-            records, episodes = collector.step()
-            replay.add(records)
-            return cfg.run.envs, episodes
-        inference.check()  # here too: before the loop's next weight sync meets a dead server
-        return ingest.take(timeout=1.0)  # the chunks are added to replay by the ingest thread
+    try:
+        source.start()  # worker processes and their inference server start after the warm-up
+    except CollectionError as error:
+        raise RunError(str(error)) from None
+    updates = Updates(learner, replay, ratio, source, counters, cfg.run.train_start, bool(cfg.replay.context))
 
     def step() -> None:
         """One pass of the loop: collect, owed updates, records, evaluation, checkpoint."""
         nonlocal logged_at
-        steps, episodes = gather()
+        steps, episodes = source.gather()
         counters["env_steps"] += steps
         counters["episodes"] += len(episodes)
         window.extend(episodes)
         for episode in episodes:
             metrics.episode(episode.score)
-
-        if replay.ready() and counters["env_steps"] >= cfg.run.train_start:
-            counters["train_steps"] += steps
-            counters["owed_updates"] += ratio(counters["train_steps"])
-            while counters["owed_updates"] and not stop:  # a stop keeps the rest owed, in the checkpoint
-                counters["owed_updates"] -= 1
-                batch, handles = replay.sample()
-                batch = learner.update(batch[:, :-1])
-                if cfg.replay.context:
-                    context = batch.get("replay_context")
-                    replay.write_back(handles, context.get("state"), context.get("belief"))
-                if workers and should_sync(learner.updates):  # never waits for the server
-                    inference.sync()
+        updates.owe(steps)
+        updates.run(stop=lambda: bool(stop))  # a stop keeps the rest owed, in the checkpoint
 
         metrics.tick(counters["env_steps"])
         if should_log(counters["env_steps"]):
             now = time.monotonic()
-            record = {**summarize_episodes(window), "env/restarts": (pool or collector).restarts,
+            record = {**summarize_episodes(window), "env/restarts": source.restarts,
                       # the learner device's time in updates since the last record (updates still
                       # queued on the device count in the next one)
-                      "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9),
-                      **(inference.stats() if workers else {})}
+                      "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9), **source.stats()}
             logged_at = now
             pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
             window.clear()
@@ -305,9 +275,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             elif cfg.run.eval_episodes:
                 run_eval("final_eval")
     finally:  # also when the run stops with an error: no worker process or server thread outlives it
-        for part in (ingest, pool, inference, metrics, checkpointer, replay, collector, evaluator):
-            if part is not None:
-                part.close()
+        for part in (source, metrics, checkpointer, replay, evaluator):
+            part.close()
 
 
 def check_run_folder(argv: list[str]) -> None:

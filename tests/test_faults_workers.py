@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 
 from dreamer import reaper
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
-from dreamer.collect import CollectionError, Ingest, WorkerPool
+from dreamer.collect import CollectionError
+from dreamer.workers import Ingest, WorkerPool
 from dreamer.envs import make_env
 from dreamer.inference import Inference
 from dreamer.reaper import semaphore_prefix

@@ -26,7 +26,7 @@ from torchrl.envs import ExplorationType, set_exploration_type
 import dreamer.inference as inference_module
 import dreamer.train as train_module
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
-from dreamer.collect import WorkerPool
+from dreamer.workers import WorkerPool
 from dreamer.config import CONFIG_DIR
 from dreamer.envs import make_env
 from dreamer.inference import Inference, request_spec
@@ -235,7 +235,8 @@ def test_a_worker_whose_env_cannot_be_created_stops_collection_in_one_line():
 def test_the_ingest_thread_fills_replay_hands_over_every_step_and_then_the_collection_error():
     """Real worker processes: the thread adds a healthy worker's chunks to replay and `take` counts each
     added step exactly once; with a worker whose env cannot be created, `take` raises its one line."""
-    from dreamer.collect import CollectionError, Ingest
+    from dreamer.collect import CollectionError
+    from dreamer.workers import Ingest
 
     layout, agent = _agent()
     replay = Replay(2, 4000, 2, 4, torch.device("cpu"))

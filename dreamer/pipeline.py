@@ -1,0 +1,329 @@
+"""The experience source the training loop asks for records, and the updates it owes for them.
+
+A source puts records into replay and tells the loop how many env steps it added and which episodes
+ended; it acts with a policy whose weights it refreshes from the learner's. Two implementations:
+
+- `InlineSource` (`run.collect=inline`): the trainer steps its `run.envs` envs itself, one batched policy
+  call per step of all of them.
+- `WorkerSource` (`run.collect=workers`): one env per worker process (`dreamer.workers`), acting through
+  the batched inference server (`dreamer.inference`); an ingest thread adds their chunks to replay.
+
+Both act with a copy of the policy's weights, refreshed every `run.sync_every` updates without the
+learner waiting (`dreamer.inference.WeightSync`), so acting never waits for the updates queued on the
+learner's stream. On a CUDA learner the inline source's copy runs on a CUDA stream of its own (high
+priority, a CUDA graph of the whole batch of envs): while the GPU runs the owed updates, the trainer's
+thread asks for the next actions, which are computed beside the updates instead of after them, and
+steps the envs on the CPU. The update ratio is untouched (the loop owes and runs updates exactly as
+before); what changes is the acting weights' age: at most `run.sync_every` updates plus the updates
+queued on the device when a sync is applied, reported as `collect/weights_age` (updates). On a CPU
+learner there is nothing to overlap: the inline source acts with the learner's own weights (age 0).
+
+`Updates` runs what the ratio owes: sample, update, write-back, and the source's weight sync.
+`scripts/bench_pipeline.py` measures these same pieces.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDictBase
+
+from dreamer.agent import ActingPolicy, EnvLayout, ModelSize
+from dreamer.collect import CollectionError, Collector, Episode
+from dreamer.envs import make_env
+from dreamer.inference import WeightSync, request_spec
+
+
+class Source:
+    """What the training loop needs from collection (module docstring)."""
+
+    envs: int
+
+    def start(self) -> None:
+        """Starts collecting (after the learner's warm-up: its compile must not compete with collection)."""
+
+    def gather(self) -> tuple[int, list[Episode]]:
+        """The next records into replay: (env steps added, episodes ended)."""
+        raise NotImplementedError
+
+    def synced(self, updates: int) -> None:
+        """After each update (`updates` so far): refreshes the acting weights when a sync is due."""
+
+    def stats(self) -> dict[str, float]:
+        """Figures for a metrics record, over the time since the previous call."""
+        return {}
+
+    @property
+    def restarts(self) -> int:
+        """Env rebuilds and worker restarts so far."""
+        return 0
+
+    def close(self) -> None:
+        """Stops collecting; never waits long on a hung env or worker."""
+
+
+class StepTimes:
+    """Where a collector's step time went, between two calls of `since`: per step, in ms."""
+
+    PARTS = ("policy", "env", "step", "loop")
+
+    def __init__(self):
+        self.last: tuple[int, list[float]] | None = None
+
+    def since(self, steps: int, seconds: list[float]) -> dict[str, float]:
+        """steps: collector steps so far; seconds: the PARTS summed so far."""
+        last, self.last = self.last, (steps, list(seconds))
+        if last is None or steps <= last[0]:
+            return {}
+        count = steps - last[0]
+        policy, env, step, loop = ((now - before) * 1e3 / count for now, before in zip(seconds, last[1]))
+        return {"collect/policy_ms": policy, "collect/env_ms": env, "collect/own_ms": step - policy - env,
+                "collect/between_ms": loop - step}
+
+
+class ActingCopy:
+    """The inline source's acting policy on a CUDA device: its own weights and CUDA stream (module docstring).
+
+    A call takes the records [n envs] on the host and returns the policy's answer on the host. Inputs go
+    into static device buffers and the answer comes back through pinned buffers, all on this stream:
+    nothing waits for the learner's stream (a tensordict `.to("cpu")` would synchronize the device).
+    """
+
+    def __init__(self, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, envs: int, device: torch.device,
+                 cudagraph: bool, sync_every: int):
+        from dreamer.inference import _Acting, _ServingGraph, _tensors
+
+        self.device = torch.device(device)
+        self.sync_every = sync_every
+        self.acting = copy.deepcopy(policy).requires_grad_(False).eval()
+        self.stream = torch.cuda.Stream(self.device, priority=-1)  # scheduled first beside the learner
+        self.lock = threading.Lock()  # a call and a weight copy never interleave
+        served = _Acting(self.acting, explore=True)
+        example = request_spec(layout, size).expand(envs).clone().to(self.device)
+        self.keys = list(example.keys(include_nested=True, leaves_only=True))
+        with torch.cuda.stream(self.stream):
+            if cudagraph:
+                self.graph = _ServingGraph(served, example)
+                self.inputs = self.graph.inputs
+            else:
+                self.graph, self.inputs = None, example
+                self.served = served
+            self.outputs = self.graph.outputs if self.graph else served(example.copy())
+        self.stream.synchronize()
+        self.out_keys = list(self.outputs.keys(include_nested=True, leaves_only=True))
+        self.host = {key: torch.empty(self.outputs.get(key).shape, dtype=self.outputs.get(key).dtype,
+                                      pin_memory=True) for key in self.out_keys}
+        target = _tensors(self.acting)
+        self.version = self.pending = 0  # the learner's update count of the weights in use / being copied
+        self.updates = 0
+        self.ages: list[int] = []  # the weights' age at each call since the last stats
+
+        def apply() -> None:  # in WeightSync's thread, once the staging copies have ended
+            with self.lock, torch.cuda.stream(self.stream), torch.no_grad():
+                torch._foreach_copy_(target, self.sync.staging)
+                self.stream.synchronize()
+                self.version = self.pending
+
+        self.sync = WeightSync(_tensors(policy), [torch.empty_like(t) for t in target], apply)
+
+    @torch.no_grad()
+    def __call__(self, record: TensorDictBase) -> TensorDictBase:
+        with self.lock, torch.cuda.stream(self.stream):
+            if self.graph is not None:  # copies the records into the graph's inputs, then replays it
+                outputs = self.graph(record)
+            else:
+                self.inputs.update_(record.select(*self.keys), non_blocking=True)
+                outputs = self.served(self.inputs.copy())
+            for key in self.out_keys:
+                self.host[key].copy_(outputs.get(key), non_blocking=True)
+            self.stream.synchronize()
+            self.ages.append(self.updates - self.version)
+        for key, value in self.host.items():
+            record.set(key, value.clone())
+        return record
+
+    def synced(self, updates: int) -> None:
+        self.updates = updates
+        if updates % self.sync_every == 0 and self.sync.idle.is_set():
+            self.pending = updates
+            self.sync()
+
+    def stats(self) -> dict[str, float]:
+        ages, self.ages = self.ages, []
+        return {"collect/weights_age": sum(ages) / len(ages)} if ages else {}
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+class InlineSource(Source):
+    """`run.collect=inline`: the trainer steps `run.envs` envs, one batched policy call per step."""
+
+    def __init__(self, cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
+                 cudagraph: bool, replay):
+        self.envs, self.replay = cfg.run.envs, replay
+        self.acting = ActingCopy(policy, layout, size, self.envs, device, cudagraph, cfg.run.sync_every) \
+            if torch.device(device).type == "cuda" else None
+        self.collector = Collector(
+            [make_env(cfg.env, cfg.seed, i) for i in range(self.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
+            self.acting or policy, layout, size, "cpu" if self.acting else device, suite=cfg.env.suite)
+        self.times, self.steps, self.looped, self.last = StepTimes(), 0, 0.0, None
+
+    def gather(self) -> tuple[int, list[Episode]]:
+        records, episodes = self.collector.step()
+        self.replay.add(records)
+        now = time.perf_counter()
+        if self.last is not None:
+            self.looped += now - self.last
+        self.last = now
+        self.steps += 1
+        return self.envs, episodes
+
+    def synced(self, updates: int) -> None:
+        if self.acting is not None:
+            self.acting.synced(updates)
+
+    def stats(self) -> dict[str, float]:
+        seconds = self.collector.seconds
+        figures = self.times.since(self.steps, [seconds["policy"], seconds["env"], seconds["step"], self.looped])
+        return {**figures, **(self.acting.stats() if self.acting else {"collect/weights_age": 0.0})}
+
+    @property
+    def restarts(self) -> int:
+        return self.collector.restarts
+
+    def close(self) -> None:
+        if self.acting is not None:
+            self.acting.close()
+        self.collector.close()
+
+
+class WorkerSource(Source):
+    """`run.collect=workers`: worker processes, the inference server on `device`, and the ingest thread.
+
+    `run.inference=auto` puts a GPU server in a process of its own, also when it shares the learner's
+    GPU: measured on one H200 (BENCHMARKS.md), the learner is busier and collection faster that way than
+    with the server as a thread, whose Python competes with the trainer's for one interpreter lock. A
+    CPU server runs as a thread of the trainer.
+    """
+
+    def __init__(self, cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
+                 cudagraph: bool, replay, announce: Callable[[str], None] | None = print):
+        self.cfg, self.policy, self.layout, self.size = cfg, policy, layout, size
+        self.device, self.cudagraph, self.replay, self.announce = torch.device(device), cudagraph, replay, announce
+        self.envs = cfg.run.envs
+        self.inference = self.pool = self.ingest = None
+        self.times = StepTimes()
+
+    def start(self) -> None:
+        """The server (started), then the workers and the ingest thread. CollectionError, one line, when
+        the server cannot start."""
+        from omegaconf import OmegaConf
+
+        from dreamer.inference import Inference
+        from dreamer.workers import Ingest, WorkerPool
+
+        cfg = self.cfg
+        own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and self.device.type == "cuda")
+        self.inference = Inference(self.policy, self.layout, self.size, self.envs, self.device, self.cudagraph,
+                                   batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
+        try:
+            self.inference.start()
+        except RuntimeError as error:
+            self.inference.close()
+            self.inference = None
+            raise CollectionError(f"the inference server did not start: {str(error).splitlines()[0]}") from None
+        inference, replay = self.inference, self.replay
+
+        def restarted(stream: int) -> None:  # a dead worker's stream ends where replay's data ends
+            inference.forget_slot(stream)
+            replay.end_stream(stream)
+
+        self.pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, self.layout, self.size,
+                               inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
+                               stall_seconds=cfg.run.worker_stall_s).start()
+        # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
+        self.ingest = Ingest(self.pool, replay, alive=lambda: inference.alive,
+                             max_pending=self.envs * cfg.run.chunk).start()
+        if self.announce:
+            self.announce(f"dreamer: {self.envs} env worker processes, inference server on {self.device} "
+                          f"({'its own process' if own_process else 'a thread'})")
+
+    def gather(self, timeout: float = 1.0) -> tuple[int, list[Episode]]:
+        self.inference.check()  # here too: before the loop's next weight sync meets a dead server
+        return self.ingest.take(timeout=timeout)  # the chunks are added to replay by the ingest thread
+
+    def synced(self, updates: int) -> None:
+        if updates % self.cfg.run.sync_every == 0:
+            self.inference.sync()  # never waits for the server
+
+    def stats(self) -> dict[str, float]:
+        return {**self.inference.stats(), **self.times.since(*self.pool.timing())}
+
+    @property
+    def restarts(self) -> int:
+        return self.pool.restarts if self.pool else 0
+
+    def close(self) -> None:
+        for part in (self.ingest, self.pool, self.inference):
+            if part is not None:
+                part.close()
+
+
+def make_source(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, topology, cudagraph: bool,
+                replay) -> Source:
+    """The source `run.collect` names: inline on the learner's device, or workers with the server on the
+    inference device."""
+    if cfg.run.collect == "workers":
+        return WorkerSource(cfg, policy, layout, size, topology.inference, cudagraph, replay)
+    return InlineSource(cfg, policy, layout, size, topology.learner, cudagraph, replay)
+
+
+class Updates:
+    """The updates the ratio owes for the env steps collected: sample, update, write-back, weight sync.
+
+    `counters` (the run's, saved in checkpoints): train_steps counts env steps collected while replay is
+    ready, so refilling replay after a resume does not pile up a burst of owed updates; owed_updates are
+    those not run yet (a stop keeps them owed). `seconds` sums the calling thread's time by part.
+    """
+
+    def __init__(self, learner, replay, ratio, source: Source, counters: dict, train_start: int,
+                 write_back: bool = True):
+        self.learner, self.replay, self.ratio, self.source = learner, replay, ratio, source
+        self.counters, self.train_start, self.write_back = counters, train_start, write_back
+        self.seconds = {"sample": 0.0, "update": 0.0, "write_back": 0.0, "sync": 0.0}
+
+    def owe(self, steps: int) -> None:
+        """Counts `steps` env steps just added (already in counters["env_steps"])."""
+        if self.replay.ready() and self.counters["env_steps"] >= self.train_start:
+            self.counters["train_steps"] += steps
+            self.counters["owed_updates"] += self.ratio(self.counters["train_steps"])
+
+    def run(self, stop: Callable[[], bool] = lambda: False) -> int:
+        """Runs the owed updates (until `stop()`); returns how many ran."""
+        ran = 0
+        while self.counters["owed_updates"] and not stop():
+            self.counters["owed_updates"] -= 1
+            self.one()
+            ran += 1
+        return ran
+
+    def one(self) -> None:
+        clock = time.perf_counter()
+        batch, handles = self.replay.sample()
+        sampled = time.perf_counter()
+        batch = self.learner.update(batch[:, :-1])
+        updated = time.perf_counter()
+        if self.write_back:
+            context = batch.get("replay_context")
+            self.replay.write_back(handles, context.get("state"), context.get("belief"))
+        written = time.perf_counter()
+        self.source.synced(self.learner.updates)
+        now = time.perf_counter()
+        for part, seconds in (("sample", sampled - clock), ("update", updated - sampled),
+                              ("write_back", written - updated), ("sync", now - written)):
+            self.seconds[part] += seconds
