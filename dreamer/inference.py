@@ -340,15 +340,17 @@ def _make_server(policy: ActingPolicy, transport, clients: int, device: torch.de
                  explore: bool, batch_wait: float, request: TensorDict) -> InferenceServer:
     static = clients if (device.type == "cuda" and cudagraph) else None
     # The server waits up to `batch_wait` s after the first request for the others, so one pass
-    # serves the envs that finished their steps at about the same time.
+    # serves the envs that finished their steps at about the same time. With no wait, a pass serves
+    # the requests that are ready when it starts (the server sleeps on its work semaphore in between:
+    # the 50 ms is only how often it looks at its stop flag).
     return _StreamServer(
         _Acting(policy, explore),
         transport,
         max_batch_size=clients,
-        min_batch_size=clients,
+        min_batch_size=clients if batch_wait > 0 else 1,
         static_batch_size=static,
         request_spec=request if static else None,
-        timeout=batch_wait,
+        timeout=batch_wait if batch_wait > 0 else 0.05,
         policy_device=device,
         output_device="cpu",
     )

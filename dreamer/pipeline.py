@@ -72,12 +72,12 @@ class StepTimes:
     PARTS = ("policy", "env", "step", "loop")
 
     def __init__(self):
-        self.last: tuple[int, list[float]] | None = None
+        self.last: tuple[int, list[float]] = (0, [0.0] * len(self.PARTS))
 
     def since(self, steps: int, seconds: list[float]) -> dict[str, float]:
-        """steps: collector steps so far; seconds: the PARTS summed so far."""
+        """steps: collector steps so far; seconds: the PARTS summed so far ({} when no step was taken)."""
         last, self.last = self.last, (steps, list(seconds))
-        if last is None or steps <= last[0]:
+        if steps <= last[0]:
             return {}
         count = steps - last[0]
         policy, env, step, loop = ((now - before) * 1e3 / count for now, before in zip(seconds, last[1]))

@@ -3,30 +3,32 @@
     python scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 --latency 0.05
     python scripts/bench_pipeline.py --device cpu --model smoke --batch 4 --length 8 --envs 4 --seconds 5   # CI smoke
 
-One run, the pieces `python -m dreamer.train run.collect=workers` uses (emulated Minecraft env with
-`--latency` s per step, `dreamer.collect.WorkerPool`, `dreamer.inference.Inference`, `dreamer.replay.Replay`,
-`dreamer.learner.Learner`), in four phases, one JSON line each:
+One run of the training command's own pieces for `run.collect=workers`, built from its config
+(`+exp=emulated` with the options below): `dreamer.pipeline.WorkerSource` (worker processes, the
+inference server, the ingest thread), `dreamer.pipeline.Updates` (the owed updates: sample, update,
+write-back, weight sync), `dreamer.replay.Replay` and `dreamer.learner.Learner`; in four phases, one
+JSON line each:
 
   collect   (a) collection alone: env steps/s with the learner idle (replay filling). Env steps/s count
             the steps the workers took in the window (a shared counter per worker); received_env_steps_per_s
             counts the steps of the chunks that arrived, which moves in whole chunks (64 steps per
-            worker) and is coarse over a short window.
-  train     (b) env steps/s while the learner trains at --train-ratio (updates owed by the ratio, as in
-            training); (c) learner updates/s and its GPU busy fraction (CUDA-event time around each
-            learner step, summed, over the phase's wall time); weight syncs every --sync-every updates;
-            host_fraction: the trainer thread's wall time by part (wait = idle until a worker chunk
-            arrives, receive = reading and unpickling chunks, add_chunks, sample, update = the learner's
-            host call, write_back = submission); with --ingest thread (the default, as in training) the
-            chunks are read and added in the ingest thread, whose time is ingest_fraction.
+            worker) and is coarse over a short window. worker_step_ms: where a worker's step went, ms
+            per env step (policy: the server's round trip; env: the env's own calls; own: the
+            collector's work around them; between: the loop outside the step, chunk sending included).
+  train     (b) env steps/s while the learner trains at --train-ratio (Updates, as in training);
+            (c) learner updates/s and its GPU busy fraction (the learner's own CUDA-event spans around
+            its steps, over the phase's wall time); host_fraction: the trainer thread's wall time by
+            part (wait = until records arrive, then Updates' sample / update / write_back / sync);
+            ingest_fraction: the ingest thread's time reading chunks and adding them to replay.
   inference (e) the server's batched pass during the train phase: p50 / p99 ms over its recent
             batches (host to device and back), mean batch size; inference_alone: the same over the
             collect phase, the learner idle.
-  overhead  (d) the learner's update time with replay sampling and the write-back submitted, against the
-            same update on a batch resident on the device, in blocks of back-to-back updates (the steady
-            state of training); collection keeps running in both. overhead: wall time of whole blocks,
-            drained at both ends; steady_overhead: the median interval between the ends of consecutive
-            updates inside the blocks (a block's start, where the first batch is fetched with the device
-            idle, and its final drain are left out: training has neither).
+  overhead  (d) the learner's update as training runs it (Updates.one) against the same update on a
+            batch resident on the device, in blocks of back-to-back updates (the steady state of
+            training); collection keeps running in both. overhead: wall time of whole blocks, drained
+            at both ends; steady_overhead: the median interval between the ends of consecutive updates
+            inside the blocks (a block's start, where the first batch is fetched with the device idle,
+            and its final drain are left out: training has neither).
 
 With `--rounds N` the collect and train phases alternate N times (one line per phase, with its round);
 (b)/(a) is then over all rounds, so that a drift of the collection rate over the run (the machine's other
@@ -49,51 +51,58 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
-from dreamer.collect import Ingest, WorkerPool  # noqa: E402
-from dreamer.config import CONFIG_DIR  # noqa: E402
+from dreamer.agent import EnvLayout, build_agent  # noqa: E402
+from dreamer.config import CONFIG_DIR, validate  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
-from dreamer.inference import Inference, percentile  # noqa: E402
-from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
+from dreamer.inference import percentile  # noqa: E402
+from dreamer.learner import Learner  # noqa: E402
+from dreamer.pipeline import Updates, WorkerSource  # noqa: E402
 from dreamer.replay import Replay  # noqa: E402
+from torchrl.trainers.algorithms import DreamerV3UpdateRatio  # noqa: E402
 
 
-def _size(name: str) -> ModelSize:
-    path = CONFIG_DIR / "model" / f"{name}.yaml"
-    if not path.exists():  # the smoke preset's tiny model
-        model = yaml.safe_load((CONFIG_DIR / "debug" / "smoke.yaml").read_text())["model"]
-    else:
-        model = yaml.safe_load(path.read_text())
-    model.pop("name", None)
-    return ModelSize(**model)
+def app_config(args):
+    """The training command's config for `+exp=emulated` with this benchmark's settings."""
+    from hydra import compose, initialize_config_dir
+
+    model = ["+debug=smoke"] if args.model == "smoke" else [f"model={args.model}"]
+    device = args.device if args.device != "cpu" else "cpu"
+    overrides = ["+exp=emulated", *model, f"batch_size={args.batch}", f"batch_length={args.length}",
+                 f"run.envs={args.envs}", f"env.step_latency={args.latency}", f"run.train_ratio={args.train_ratio}",
+                 f"run.chunk={args.chunk}", f"run.sync_every={args.sync_every}",
+                 f"run.inference_wait_ms={args.inference_wait_ms}", f"run.inference={args.inference}",
+                 f"replay.size={args.replay}", "run.compile=false" if args.no_compile else "run.compile=auto",
+                 f"topology.learner={device}", f"topology.inference={args.inference_device or device}",
+                 "run.dir=."]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
 
 
 class Pipeline:
+    """The training command's pieces for `run.collect=workers`, built from its config (app_config)."""
+
     def __init__(self, args):
         self.args = args
-        self.device = torch.device(args.device)
+        self.cfg = app_config(args)
+        self.settings = validate(self.cfg)
+        self.device = self.settings.topology.learner
         self.cuda = self.device.type == "cuda"
-        env_cfg = OmegaConf.load(CONFIG_DIR / "env" / "emulated.yaml")
-        env_cfg.step_latency = args.latency
-        self.env_cfg = OmegaConf.to_container(env_cfg, resolve=True)
-        probe = make_env(env_cfg, 0)
+        probe = make_env(self.cfg.env, 0)
         self.layout = EnvLayout.from_specs(probe.observation_spec, probe.action_spec)
         probe.close()
-        self.size = _size(args.model)
+        self.size = self.settings.size
         torch.manual_seed(0)
         with torch.device(self.device):
-            self.agent = build_agent(self.layout, self.size, LossSettings())
-        self.learner = Learner(self.agent, OptimizerSettings(), self.device, compile=self.cuda and not args.no_compile,
-                               cudagraph=self.cuda, bf16=self.cuda)
+            self.agent = build_agent(self.layout, self.size, self.settings.loss)
+        self.learner = Learner(self.agent, self.settings.optimizer, self.device, self.settings.compile,
+                               self.settings.cudagraph, self.settings.bf16)
         self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device, prefetch=args.prefetch)
         self.steps = 0
-        self.host = dict.fromkeys(HOST_PARTS, 0.0)  # the trainer thread's host seconds, by part
-        self.ingest: Ingest | None = None
+        self.wait = 0.0  # the trainer thread's seconds waiting for records
+        self.source: WorkerSource | None = None
 
     def warmup(self) -> float:
         start = time.perf_counter()
@@ -102,178 +111,142 @@ class Pipeline:
         return time.perf_counter() - start
 
     def start_collection(self) -> None:
-        args = self.args
-        device = torch.device(args.inference_device or args.device)
-        self.own_process = args.inference == "process" or (args.inference == "auto" and device.type == "cuda")
-        self.inference = Inference(self.agent.policy, self.layout, self.size, args.envs, device,
-                                   cudagraph=self.cuda, batch_wait=args.inference_wait_ms / 1000,
-                                   process=self.own_process).start()
-
-        def restarted(stream: int) -> None:
-            self.inference.forget_slot(stream)
-            self.replay.end_stream(stream)
-
-        self.pool = WorkerPool(self.env_cfg, 0, self.layout, self.size, self.inference.clients, args.chunk,
-                               "emulated", on_restart=restarted).start()
-        if args.ingest == "thread":
-            self.ingest = Ingest(self.pool, self.replay, alive=lambda: self.inference.alive,
-                                 max_pending=args.envs * args.chunk).start()
+        self.source = WorkerSource(self.cfg, self.agent.policy, self.layout, self.size,
+                                   self.settings.topology.inference, self.settings.cudagraph, self.replay,
+                                   announce=None)
+        self.source.start()
+        self.own_process = self.source.inference.process is not None
+        self.pool, self.inference, self.ingest = self.source.pool, self.source.inference, self.source.ingest
+        self.counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
+        self.updates = Updates(self.learner, self.replay, DreamerV3UpdateRatio(self.settings.updates_per_step),
+                               self.source, self.counters, train_start=0)
 
     def gather(self, timeout: float) -> int:
-        if self.ingest is not None:  # the chunks go to replay in the ingest thread, as in training
-            clock = time.perf_counter()
-            steps = self.ingest.take(timeout)[0]
-            self.host["wait"] += time.perf_counter() - clock
-            self.steps += steps
-            return steps
-        steps, clock, read = 0, time.perf_counter(), self.pool.read_seconds
-        chunks = self.pool.receive(timeout)
-        received = time.perf_counter()
-        for chunk in chunks:
-            self.replay.add_chunk(chunk.stream, chunk.records)
-            steps += chunk.records.shape[0]
-        self.host["add_chunks"] += time.perf_counter() - received
-        read = self.pool.read_seconds - read
-        self.host["receive"] += read
-        self.host["wait"] += received - clock - read
+        """The records that arrived (the ingest thread added them to replay), as the training loop takes them."""
+        clock = time.perf_counter()
+        steps = self.source.gather(timeout)[0]
+        self.wait += time.perf_counter() - clock
         self.steps += steps
+        self.counters["env_steps"] += steps
         return steps
 
-    def update(self, resident=None, timed: bool = False):
-        """One update, on a resident batch or on a replay sample with the write-back submitted.
-
-        timed: also returns the update's own duration, as CUDA events recorded around the learner's
-        step alone (sampling and the write-back's host work stay outside), or host seconds on CPU.
-        The trainer thread's host seconds in sampling, the update call and the write-back submission
-        are added to `self.host`.
-        """
-        clock = time.perf_counter()
-        if resident is None:
-            batch, handles = self.replay.sample()
-            batch = batch[:, :-1]
-        else:
-            batch = resident
-        now = time.perf_counter()
-        self.host["sample"] += now - clock
+    def update_resident(self, resident) -> tuple:
+        """One update on a batch already on the device (no replay), timed by CUDA events (host seconds on
+        CPU): the reference of phase (d)."""
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        start = time.perf_counter()
-        out = self.learner.update(batch)
-        if self.cuda:
+            self.learner.update(resident)
             end.record()
-            timing = (begin, end)
-        else:
-            timing = (time.perf_counter() - start,)
-        clock = time.perf_counter()
-        self.host["update"] += clock - start
-        if resident is None:
-            context = out.get("replay_context")
-            self.replay.write_back(handles, context.get("state"), context.get("belief"), wait=False)
-        self.host["write_back"] += time.perf_counter() - clock
-        return timing if timed else None
+            return begin, end
+        start = time.perf_counter()
+        self.learner.update(resident)
+        return (time.perf_counter() - start,)
+
+    def update_replay(self) -> tuple:
+        """One update as training runs it (`Updates.one`: sample, update, write-back, weight sync), its
+        end marked by a CUDA event (host time on CPU)."""
+        if self.cuda:
+            self.updates.one()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            return None, end
+        start = time.perf_counter()
+        self.updates.one()
+        return (time.perf_counter() - start,)
 
     @staticmethod
     def seconds(timing: tuple) -> float:
         return timing[0] if len(timing) == 1 else timing[0].elapsed_time(timing[1]) / 1e3
 
     def close(self) -> None:
-        if self.ingest is not None:
-            self.ingest.close()
-        self.pool.close()
-        self.inference.close()
+        if self.source is not None:
+            self.source.close()
         self.replay.close()
-
-
-HOST_PARTS = ("wait", "receive", "add_chunks", "sample", "update", "write_back")
 
 
 def phase_collect(p: Pipeline, seconds: float) -> dict:
     """(a) until replay can be sampled and at least `seconds`; the rate over the last `seconds`."""
     while not p.replay.ready(every=True):
         p.gather(1.0)
+    p.source.stats()  # the step-time figures below start here
     start, steps, stepped = time.perf_counter(), 0, sum(p.pool.stepped)
     while time.perf_counter() - start < seconds:
         steps += p.gather(0.5)
     wall, stepped = time.perf_counter() - start, sum(p.pool.stepped) - stepped
     return {"phase": "collect", "env_steps_per_s": round(stepped / wall, 1),
             "received_env_steps_per_s": round(steps / wall, 1), "seconds": round(wall, 1),
-            "replay_records": len(p.replay)}
+            "replay_records": len(p.replay), **_step_times(p)}
+
+
+def _step_times(p: Pipeline) -> dict:
+    """Where a worker's step went over the phase (WorkerPool.timing): ms per env step."""
+    times = p.source.times.since(*p.pool.timing())
+    return {"worker_step_ms": {key.split("/")[1]: round(value, 2) for key, value in times.items()}}
 
 
 def phase_train(p: Pipeline, seconds: float) -> dict:
-    """(b), (c): updates owed at train_ratio / (batch x length) per env step, as the training loop does."""
-    args = p.args
-    per_step = args.train_ratio / (args.batch * args.length)
-    owed, steps, timings, syncs = 0.0, 0, [], 0
-    p.host = dict.fromkeys(HOST_PARTS, 0.0)
-    read, added = p.pool.read_seconds, p.ingest.add_seconds if p.ingest else 0.0
+    """(b), (c): the updates the ratio owes (Updates, as the training loop runs them)."""
+    updates_before, p.wait = p.learner.updates, 0.0
+    p.updates.seconds = dict.fromkeys(p.updates.seconds, 0.0)
+    p.learner.busy_seconds()
+    p.source.stats()
+    read, added = p.pool.read_seconds, p.ingest.add_seconds
     start, stepped = time.perf_counter(), sum(p.pool.stepped)
+    syncs = p.inference.sync.applied
     while time.perf_counter() - start < seconds:
-        arrived = p.gather(0.0 if owed >= 1 else 0.5)
-        steps += arrived
-        owed += arrived * per_step
-        while owed >= 1 and time.perf_counter() - start < seconds:
-            owed -= 1
-            timings.append(p.update(timed=True))
-            if p.learner.updates % args.sync_every == 0:
-                syncs += bool(p.inference.sync())
+        arrived = p.gather(0.0 if p.counters["owed_updates"] else 0.5)
+        p.updates.owe(arrived)
+        p.updates.run(stop=lambda: time.perf_counter() - start >= seconds)
     if p.cuda:
         torch.cuda.synchronize()
     wall, stepped = time.perf_counter() - start, sum(p.pool.stepped) - stepped
-    busy = sum(p.seconds(t) for t in timings)
+    updates = p.learner.updates - updates_before
+    host = {"wait": p.wait, **p.updates.seconds}
     return {"phase": "train", "env_steps_per_s": round(stepped / wall, 1),
-            "received_env_steps_per_s": round(steps / wall, 1), "updates": len(timings),
-            "updates_per_s": round(len(timings) / wall, 2), "learner_busy": round(busy / wall, 3),
-            "owed_at_end": round(owed, 1), "weight_syncs": syncs, "seconds": round(wall, 1),
-            # where the trainer thread's wall time went (the rest: weight syncs and the loop itself)
-            "host_fraction": {part: round(value / wall, 3) for part, value in p.host.items()},
-            # --ingest thread: the ingest thread's time reading chunks and adding them to replay
-            **({"ingest_fraction": {"receive": round((p.pool.read_seconds - read) / wall, 3),
-                                    "add_chunks": round((p.ingest.add_seconds - added) / wall, 3)}}
-               if p.ingest else {}),
-            "lost_contexts": p.replay.lost_contexts}
+            "updates": updates, "updates_per_s": round(updates / wall, 2),
+            "learner_busy": round(p.learner.busy_seconds() / wall, 3),
+            "owed_at_end": p.counters["owed_updates"], "weight_syncs": p.inference.sync.applied - syncs,
+            "seconds": round(wall, 1),
+            # where the trainer thread's wall time went (the rest: the loop itself)
+            "host_fraction": {part: round(value / wall, 3) for part, value in host.items()},
+            # the ingest thread's time reading chunks and adding them to replay
+            "ingest_fraction": {"receive": round((p.pool.read_seconds - read) / wall, 3),
+                                "add_chunks": round((p.ingest.add_seconds - added) / wall, 3)},
+            "lost_contexts": p.replay.lost_contexts, **_step_times(p)}
 
 
 def phase_overhead(p: Pipeline, updates: int, block: int = 5) -> dict:
-    """(d) update time with sampling + write-back vs a resident batch: blocks of `block` back-to-back
-    updates (the steady state of training: the next sample and the last write-back's copies overlap the
-    learner's work), the device drained at each block's ends only; alternating blocks, medians of the
-    per-update time of a block."""
+    """(d) update time as training runs it (sampling, write-back, weight sync) vs a resident batch: blocks
+    of `block` back-to-back updates (the steady state of training: the next sample and the last
+    write-back's copies overlap the learner's work), the device drained at each block's ends only;
+    alternating blocks, medians of the per-update time of a block."""
     resident = p.replay.sample()[0][:, :-1].to(p.device)
     with_replay, alone = [], []
     steady = {True: [], False: []}  # end-to-end intervals between consecutive updates of a block
-    host = dict.fromkeys(("sample", "update", "write_back"), 0.0)  # trainer thread, blocks with replay
     for index in range(2 * max(1, updates // block)):
-        target = with_replay if index % 2 == 0 else alone
+        replayed = index % 2 == 0
         p.gather(0.0)  # collection keeps running
         if p.cuda:
             torch.cuda.synchronize()
-        before = dict(p.host)
         start = time.perf_counter()
         ends = []
         for _ in range(block):
-            timing = p.update(None if target is with_replay else resident, timed=True)
+            timing = p.update_replay() if replayed else p.update_resident(resident)
             ends.append(timing[1] if p.cuda else time.perf_counter())
         if p.cuda:
             torch.cuda.synchronize()
-        target.append((time.perf_counter() - start) / block)
-        steady[target is with_replay] += [
+        (with_replay if replayed else alone).append((time.perf_counter() - start) / block)
+        steady[replayed] += [
             (ends[i - 1].elapsed_time(ends[i]) / 1e3 if p.cuda else ends[i] - ends[i - 1]) for i in range(1, block)]
-        if target is with_replay:
-            for part in host:
-                host[part] += p.host[part] - before[part]
     a, b = statistics.median(with_replay), statistics.median(alone)
     sa, sb = statistics.median(steady[True]), statistics.median(steady[False])
-    per_update = block * len(with_replay)
     return {"phase": "overhead", "ms_with_replay": round(a * 1e3, 2), "ms_resident": round(b * 1e3, 2),
             "overhead": round(a / b - 1, 4),
             # the same blocks, without their ends: the median interval between the ends of consecutive
             # updates (a gap the learner waits for its batch shows here; a block's start and drain do not)
             "steady_ms_with_replay": round(sa * 1e3, 2), "steady_ms_resident": round(sb * 1e3, 2),
-            "steady_overhead": round(sa / sb - 1, 4), "updates": block * (len(with_replay) + len(alone)),
-            # the trainer thread's host ms per update with replay: sample() includes waiting for the prefetch
-            "host_ms_per_update": {part: round(value / per_update * 1e3, 2) for part, value in host.items()}}
+            "steady_overhead": round(sa / sb - 1, 4), "updates": block * (len(with_replay) + len(alone))}
 
 
 def phase_inference(p: Pipeline) -> dict:
@@ -313,12 +286,12 @@ def main() -> None:
     parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",
                         help="the server's CUDA graph: ours (replayed on the serving stream alone) or torchrl's "
                              "(tensordict's CudaGraphModule: a device-wide synchronize before every replay)")
-    parser.add_argument("--ingest", choices=["thread", "inline"], default="thread",
-                        help="worker chunks into replay: in an ingest thread, as training does, or inline in "
-                             "the trainer thread between updates")
     parser.add_argument("--threads", type=int, default=0,
                         help="the trainer process's torch intra-op threads (0: torch's default, one per core; "
                              "run.threads); env workers use one each")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="the trainer process's interpreter switch interval (sys.setswitchinterval; Python's "
+                             "default is 5 ms): how long a thread that wants the GIL may wait for another")
     parser.add_argument("--replay", type=int, default=400_000, help="replay capacity (records)")
     parser.add_argument("--prefetch", type=int, help="replay samples prepared ahead (default: 1 on CUDA, 0 on CPU)")
     parser.add_argument("--py-spy", metavar="FILE",
@@ -345,6 +318,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     if args.serving_graph == "torchrl":
         from torchrl.modules.inference_server import InferenceServer
 
@@ -353,7 +328,8 @@ def main() -> None:
     p = Pipeline(args)
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
-              "inference": args.inference, "serving_graph": args.serving_graph, "ingest": args.ingest,
+              "inference": args.inference, "serving_graph": args.serving_graph, "switch_interval_ms": sys.getswitchinterval() * 1000,
+              "inference_wait_ms": args.inference_wait_ms,
               "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",
               "ceiling_env_steps_per_s": round(args.envs / args.latency, 1) if args.latency else None}

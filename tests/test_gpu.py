@@ -173,3 +173,42 @@ def test_a_weight_sync_never_waits_for_the_learners_later_work():
     finally:
         torch.cuda.synchronize(device)
         inference.close()
+
+
+@pytest.mark.parametrize("cudagraph", [False, True], ids=["eager", "cudagraph"])
+def test_the_inline_acting_copy_answers_beside_the_learners_queued_work_and_follows_syncs(cudagraph):
+    """The inline source's acting copy (its own weights and stream): its answer matches the policy's
+    deterministic part (the belief) before and after a sync, and comes while a long kernel still runs
+    on the learner's stream (the overlap of acting and updates)."""
+    from tests.test_pipeline import SIZE, _agent, _request
+
+    from dreamer.pipeline import ActingCopy
+
+    layout, agent = _agent()
+    device = torch.device("cuda:0")
+    agent.networks.policy.to(device)
+    acting = ActingCopy(agent.policy, layout, SIZE, envs=3, device=device, cudagraph=cudagraph, sync_every=1)
+    try:
+        records = torch.stack([_request(layout, seed) for seed in range(3)])
+
+        def direct_belief():
+            return agent.policy(records.clone().to(device)).get(("policy", "belief")).cpu()
+
+        torch.testing.assert_close(acting(records.clone()).get(("policy", "belief")), direct_belief(),
+                                   rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            for parameter in agent.policy.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+        acting.synced(1)  # as after the learner's first update
+        assert acting.sync.wait(30) and acting.version == 1
+        torch.testing.assert_close(acting(records.clone()).get(("policy", "belief")), direct_belief(),
+                                   rtol=1e-4, atol=1e-4)
+        learner_stream = torch.cuda.current_stream(device)
+        torch.cuda._sleep(20_000_000_000)  # about 10 s of GPU cycles: the learner's queued updates
+        answer = acting(records.clone())
+        assert not learner_stream.query(), "the learner's queued work ended first: the check proves nothing"
+        assert answer.get(("policy", "action")).sum() == 3
+        assert acting.stats()["collect/weights_age"] == 0.0
+    finally:
+        torch.cuda.synchronize(device)
+        acting.close()
