@@ -28,6 +28,7 @@ import copy
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from tensordict import TensorDictBase
@@ -89,8 +90,9 @@ class ActingCopy:
     """The inline source's acting policy on a CUDA device: its own weights and CUDA stream (module docstring).
 
     A call takes the records [n envs] on the host and returns the policy's answer on the host. Inputs go
-    into static device buffers and the answer comes back through pinned buffers, all on this stream:
-    nothing waits for the learner's stream (a tensordict `.to("cpu")` would synchronize the device).
+    through pinned buffers into static device buffers and the answer comes back through pinned buffers,
+    all on this stream: nothing waits for the learner's stream (a tensordict `.to("cpu")` would
+    synchronize the device).
     """
 
     def __init__(self, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, envs: int, device: torch.device,
@@ -115,6 +117,8 @@ class ActingCopy:
             self.outputs = self.graph.outputs if self.graph else served(example.copy())
         self.stream.synchronize()
         self.out_keys = list(self.outputs.keys(include_nested=True, leaves_only=True))
+        # Pinned host buffers for the inputs and the answer; reused by each call once the last has ended.
+        self.staged = request_spec(layout, size).expand(envs).clone().pin_memory()
         self.host = {key: torch.empty(self.outputs.get(key).shape, dtype=self.outputs.get(key).dtype,
                                       pin_memory=True) for key in self.out_keys}
         target = _tensors(self.acting)
@@ -133,10 +137,11 @@ class ActingCopy:
     @torch.no_grad()
     def __call__(self, record: TensorDictBase) -> TensorDictBase:
         with self.lock, torch.cuda.stream(self.stream):
+            self.staged.update_(record.select(*self.keys))  # into pinned memory: the upload is a plain DMA
             if self.graph is not None:  # copies the records into the graph's inputs, then replays it
-                outputs = self.graph(record)
+                outputs = self.graph(self.staged)
             else:
-                self.inputs.update_(record.select(*self.keys), non_blocking=True)
+                self.inputs.update_(self.staged, non_blocking=True)
                 outputs = self.served(self.inputs.copy())
             for key in self.out_keys:
                 self.host[key].copy_(outputs.get(key), non_blocking=True)
@@ -161,7 +166,16 @@ class ActingCopy:
 
 
 class InlineSource(Source):
-    """`run.collect=inline`: the trainer steps `run.envs` envs, one batched policy call per step."""
+    """`run.collect=inline`: the trainer steps `run.envs` envs, one batched policy call per step.
+
+    On a CUDA learner each step runs in a thread of its own, one step ahead of the loop: `gather` takes
+    the step that thread has finished (its records already in replay) and starts the next one, which
+    then acts and steps the envs while the loop queues and runs the updates owed for the last one. The
+    records and their order are those of stepping in the loop's thread (the collector is the same,
+    called once per `gather`); the thread only moves the collector's CPU time out of the loop's way, so
+    the learner's queue does not drain while the envs step. On a CPU learner the step runs in the
+    loop's thread: the acting policy is the learner's own, updated in place between steps.
+    """
 
     def __init__(self, cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
                  cudagraph: bool, replay):
@@ -172,16 +186,27 @@ class InlineSource(Source):
             [make_env(cfg.env, cfg.seed, i) for i in range(self.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
             self.acting or policy, layout, size, "cpu" if self.acting else device, suite=cfg.env.suite)
         self.times, self.steps, self.looped, self.last = StepTimes(), 0, 0.0, None
+        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="dreamer-inline-step") if self.acting else None
+        self.next: Future | None = None  # the step running ahead in that thread
 
-    def gather(self) -> tuple[int, list[Episode]]:
+    def _step(self) -> tuple[int, list[Episode]]:
         records, episodes = self.collector.step()
         self.replay.add(records)
         now = time.perf_counter()
-        if self.last is not None:
+        if self.last is not None:  # loop - step: the time between two steps (waiting for the next gather)
             self.looped += now - self.last
         self.last = now
         self.steps += 1
         return self.envs, episodes
+
+    def gather(self) -> tuple[int, list[Episode]]:
+        if self.ahead is None:
+            return self._step()
+        step = self.next or self.ahead.submit(self._step)
+        self.next = None
+        result = step.result()  # a CollectionError of the step is raised here
+        self.next = self.ahead.submit(self._step)
+        return result
 
     def synced(self, updates: int) -> None:
         if self.acting is not None:
@@ -197,6 +222,11 @@ class InlineSource(Source):
         return self.collector.restarts
 
     def close(self) -> None:
+        """After the step running ahead (its records are not counted: the run ends before them)."""
+        if self.ahead is not None:
+            if self.next is not None:
+                wait([self.next], timeout=60)
+            self.ahead.shutdown(wait=False, cancel_futures=True)
         if self.acting is not None:
             self.acting.close()
         self.collector.close()

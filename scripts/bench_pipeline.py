@@ -280,7 +280,7 @@ def main() -> None:
     parser.add_argument("--train-ratio", type=float, default=16)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--sync-every", type=int, default=10)
-    parser.add_argument("--inference-wait-ms", type=float, default=2.0)
+    parser.add_argument("--inference-wait-ms", type=float, default=0.0, help="run.inference_wait_ms")
     parser.add_argument("--inference", choices=["auto", "thread", "process"], default="auto",
                         help="the server in its own process or a thread of this one (auto: as run.inference)")
     parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",

@@ -13,8 +13,10 @@
 #   bash scripts/reproduce.sh pipeline-0ms    # the same at 0 ms (learner-bound), process then thread;
 #                                             # replay cost
 #   bash scripts/reproduce.sh pipeline-16     # 16 workers at 50 ms (one per core), server as run.inference=auto
-#   bash scripts/reproduce.sh pipeline-host   # 64 workers at 50 ms, the trainer's host side: chunks added
-#                                             # in the ingest thread, then inline; then 2 intra-op threads
+#   bash scripts/reproduce.sh pipeline-host   # 64 workers at 50 ms, the trainer's intra-op threads: default, 2
+#   bash scripts/reproduce.sh pipeline-wait   # size200m, 64 workers at 50 ms: inference wait 2 ms, then 0
+#   bash scripts/reproduce.sh dmc-inline      # dmc_proprio size1m, 16 envs inline: the training command's
+#                                             # updates/s and learner busy, then bench_learner.py alone
 #   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=minecraft env=emulated, 64 workers,
 #                                             # 6 minutes, then its figures (scripts/run_figures.py)
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
@@ -72,12 +74,32 @@ case "${1:-}" in
       --latency 0.05 --seconds 25 --out "$OUT/pipeline-50ms-16.jsonl"
     ;;
   pipeline-host)
-    for variant in "thread 0" "inline 0" "thread 2"; do
-      set -- $variant
+    # 64 workers at 50 ms, the trainer process's torch intra-op threads: torch's default, then 2
+    for threads in 0 2; do
       $PY scripts/bench_pipeline.py --device cuda --model size50m --batch 32 --length 256 --envs 64 \
-        --latency 0.05 --seconds 25 --inference thread --ingest "$1" --threads "$2" \
-        --out "$OUT/pipeline-50ms-ingest-$1-threads$2.jsonl"
+        --latency 0.05 --seconds 25 --inference thread --threads "$threads" \
+        --out "$OUT/pipeline-50ms-threads$threads.jsonl"
     done
+    ;;
+  pipeline-wait)
+    # size200m, 64 workers at 50 ms, the server in its process: run.inference_wait_ms 2 then 0, with where
+    # a worker's step goes (worker_step_ms); the learner uncompiled (its warm-up in seconds)
+    for wait in 2 0; do
+      $PY scripts/bench_pipeline.py --device cuda --model size200m --batch 32 --length 256 --envs 64 \
+        --latency 0.05 --seconds 15 --overhead-updates 5 --no-compile --inference process \
+        --inference-wait-ms "$wait" --out "$OUT/pipeline-size200m-wait$wait.jsonl"
+    done
+    ;;
+  dmc-inline)
+    # DeepMind Control proprio, size1m, 16 envs inline, action repeat 1 (the reference's), train_ratio 1024:
+    # the training command for 200 s, its figures (scripts/run_figures.py), then the learner step alone at
+    # the same shape (bench_learner.py). MUJOCO_GL=disabled: proprio needs no renderer.
+    MUJOCO_GL=disabled timeout --foreground --signal=INT -k 30 200 $PY -m dreamer.train +exp=dmc_proprio \
+      model=size1m env.task=walker_walk run.envs=16 env.repeat=1 run.log_every=2000 run.eval_every=0 \
+      run.eval_episodes=0 hydra.run.dir="$OUT/dmc-inline-run" > "$OUT/dmc-inline.log" 2>&1 || true
+    $PY scripts/run_figures.py "$OUT/dmc-inline-run" --out "$OUT/dmc-inline.jsonl"
+    $PY scripts/bench_learner.py --device cuda --model size1m --batch 16 --length 64 --obs vector \
+      --variant ours --limit 180 --out "$OUT/dmc-inline-learner.jsonl"
     ;;
   minecraft | minecraft-4gpu | minecraft-1gpu)
     # Collection fills 65,536 steps first (run.train_start), then trains; SIGINT at the end saves and stops.

@@ -212,3 +212,34 @@ def test_the_inline_acting_copy_answers_beside_the_learners_queued_work_and_foll
     finally:
         torch.cuda.synchronize(device)
         acting.close()
+
+
+def test_the_inline_source_on_cuda_steps_ahead_in_its_thread_and_gives_the_records_of_the_cpu_loop():
+    """On a CUDA learner the inline source steps one step ahead in a thread of its own, acting through its
+    acting copy: its records are those of the CPU source's in-loop steps (a deterministic policy)."""
+    from tests.test_sources import LeanPolicy, _cfg, _layout, _stream
+
+    from dreamer.config import validate
+    from dreamer.pipeline import InlineSource
+    from dreamer.replay import Replay
+
+    envs, steps = 3, 40
+    cfg = _cfg(f"run.envs={envs}", "seed=5", "env.max_episode_steps=15")
+    settings = validate(cfg)
+    layout = _layout(cfg)
+    streams = []
+    for device in (torch.device("cpu"), torch.device("cuda:0")):
+        policy = LeanPolicy(settings.size.latent, settings.size.deter).to(device)
+        replay = Replay(envs, 4096, 4, 8, device, seed=0, context_dtype=torch.float32)
+        source = InlineSource(cfg, policy, layout, settings.size, device, device.type == "cuda", replay)
+        assert (source.ahead is not None) == (device.type == "cuda")
+        try:
+            for _ in range(steps):
+                assert source.gather()[0] == envs
+        finally:
+            source.close()
+        streams.append([_stream(replay, stream, steps) for stream in range(envs)])
+        replay.close()
+    for on_cpu, on_cuda in zip(*streams):
+        for key in on_cpu.keys(include_nested=True, leaves_only=True):
+            torch.testing.assert_close(on_cpu.get(key), on_cuda.get(key), rtol=1e-5, atol=1e-5)
