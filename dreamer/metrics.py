@@ -159,8 +159,10 @@ class Metrics:
         name: str = "",
         config: dict | None = None,
         console: Console | None = None,
+        frames_per_step: int = 1,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.frames_per_step = frames_per_step  # frames = env steps x action repeat, as the reference counts
         self.total = total_steps
         self.console = console or Console()
         self.start = time.perf_counter()
@@ -213,6 +215,7 @@ class Metrics:
         record = {
             "kind": kind,
             "env_steps": env_steps,
+            "frames": env_steps * self.frames_per_step,
             "updates": updates,
             "time": round(time.perf_counter() - self.start, 3),
             **({"env_steps_per_s": self.fps, "updates_per_s": self.ups} if kind == "train" else {}),
@@ -221,7 +224,7 @@ class Metrics:
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         if self.sink is not None:
-            self.sink.log({f"{kind}/{k}" if "/" not in k and k not in ("env_steps", "updates") else k: v
+            self.sink.log({f"{kind}/{k}" if "/" not in k and k not in ("env_steps", "frames", "updates") else k: v
                            for k, v in record.items()}, step=env_steps)
         self.tick(env_steps)
         if kind != "train" or not self.live:
@@ -246,7 +249,7 @@ class Metrics:
             ]
         else:
             parts += [f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                      for k, v in record.items() if k not in ("kind", "env_steps", "updates", "time")]
+                      for k, v in record.items() if k not in ("kind", "env_steps", "frames", "updates", "time")]
         line = "  ".join(parts)
         if self.progress is not None:
             self.progress.console.print(line)

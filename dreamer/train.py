@@ -19,7 +19,7 @@ from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError, Collector
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
-from dreamer.envs import make_env
+from dreamer.envs import frames_per_step, make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
 from dreamer.inference import request_spec
 from dreamer.learner import Learner
@@ -147,7 +147,6 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)
-    source = make_source(cfg, agent.policy, layout, settings.size, settings.topology, settings.cudagraph, replay)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps and owed_updates: see dreamer.pipeline.Updates.
     counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
@@ -164,6 +163,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         checkpoint.set_rng_state(state["rng"])
         replay.generator.set_state(state["replay_rng"])
         restored = checkpointer.restore(state.get("replay"), path)
+    # After the resumed weights are in: an inline source on CUDA acts with a copy of them.
+    source = make_source(cfg, agent.policy, layout, settings.size, settings.topology, settings.cudagraph, replay)
     # The start has succeeded: from here on the run folder is written.
     if accepted:
         print(f"dreamer: continuing {run_dir} with changed settings: {'; '.join(accepted)}", flush=True)
@@ -206,7 +207,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     should_save = Every(cfg.run.save_every, counters["env_steps"])
     metrics = Metrics(run_dir, cfg.run.steps, counters["env_steps"], learner.updates,
                       wandb=OmegaConf.to_container(cfg.logger) if cfg.logger.wandb else None,
-                      name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True))
+                      name=cfg.run.name, config=OmegaConf.to_container(cfg, resolve=True),
+                      frames_per_step=frames_per_step(cfg.env))
     checkpointer.reserve(learner.state_dict())
     if learner.needs_warmup:  # compile and capture before collecting, on a batch of the replay's shapes
         print("dreamer: warming up the learner step (compile / CUDA graph capture)...", flush=True)

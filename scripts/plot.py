@@ -1,9 +1,14 @@
-"""Learning curves: median and inter-quartile range over seeds, against the reference scores, as PNG.
+"""Learning curves of runs or sweeps, over the reference's mean and min-max band at equal frames, as PNG.
 
-    python scripts/plot.py RUN_DIR [RUN_DIR ...] [--out curves.png] [--metric eval/return_mean]
+    python scripts/plot.py RUN_DIR [RUN_DIR ...] [--out curves.png] [--metric episode/return]
+    python scripts/plot.py runs/sweeps/<time>        # a sweep folder: each of its run folders
 
-Runs are grouped by environment (suite and task from each run's config.yaml); the seeds of a group are
-interpolated onto common env-step points. Where REFERENCE_SCORES knows the task, its points are drawn too.
+Runs are grouped by environment (suite, task and observations, from each run's config.yaml). Each run is
+drawn at its own records (markers), against frames (env steps x action repeat, as the reference counts);
+where a group has several seeds, their median and inter-quartile range are drawn too, over the frames
+all of them reached. The reference's curve for the task (`dreamer/reference`: training-episode returns,
+mean and min-max over its seeds) is drawn under them where it exists. The default metric is the
+training-episode return, the reference's own measure; `--metric eval/return_mean` plots evaluations.
 """
 
 from __future__ import annotations
@@ -16,70 +21,102 @@ from pathlib import Path
 
 import numpy as np
 
-# Mean training-episode returns of the reference runs (env steps -> return).
-REFERENCE_SCORES = {
-    ("dmc", "cartpole_balance", "proprio"): {20e3: 227, 50e3: 490, 100e3: 840, 200e3: 941, 500e3: 991},
-    ("dmc", "cartpole_swingup", "proprio"): {20e3: 189, 50e3: 322, 100e3: 528, 200e3: 788, 500e3: 856},
-    ("dmc", "walker_walk", "proprio"): {20e3: 89, 50e3: 289, 100e3: 475, 200e3: 799, 500e3: 881},
-    ("dmc", "reacher_easy", "proprio"): {20e3: 36, 50e3: 631, 100e3: 693, 200e3: 956, 500e3: 962},
-    ("dmc", "cartpole_balance", "pixels"): {20e3: 227, 50e3: 591, 100e3: 945, 200e3: 984, 500e3: 994},
-    ("dmc", "walker_walk", "pixels"): {20e3: 150, 50e3: 390, 100e3: 601, 200e3: 892, 500e3: 940},
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dreamer.reference import curve  # noqa: E402
 
 
-def load_run(run: Path, metric: str) -> tuple[tuple, np.ndarray, np.ndarray]:
+def is_run(folder: Path) -> bool:
+    return (folder / "metrics.jsonl").is_file() and (folder / "config.yaml").is_file()
+
+
+def run_folders(paths: list[Path]) -> list[Path]:
+    """The run folders among `paths`: a run folder itself, or the run folders inside a sweep folder.
+    Other files (a sweep's multirun.yaml) are skipped; a folder with no run in it is an error."""
+    runs = []
+    for path in paths:
+        if path.is_file():
+            continue  # e.g. multirun.yaml beside a sweep's job folders (runs/sweeps/<time>/*)
+        if is_run(path):
+            runs.append(path)
+            continue
+        inside = sorted(child for child in path.iterdir() if child.is_dir() and is_run(child)) if path.is_dir() else []
+        if not inside:
+            raise ValueError(f"{path} is not a run folder (no metrics.jsonl and config.yaml) and holds none")
+        runs += inside
+    if not runs:
+        raise ValueError("no run folder among the paths given")
+    return runs
+
+
+def load_run(run: Path, metric: str) -> tuple[tuple, dict, np.ndarray, np.ndarray]:
+    """(group key, env config, frames, values) of one run's `metric` records."""
     import yaml
 
     config = yaml.safe_load((run / "config.yaml").read_text())
     env = config["env"]
-    key = (env["suite"], env["task"], env.get("obs", "proprio") if env["suite"] == "dmc" else None)
-    points = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    points = [(p["env_steps"], p[metric]) for p in points if metric in p]
+    repeat = int(env.get("repeat", 1)) if env["suite"] in ("dmc", "atari") else 1
+    key = (env["suite"], env["task"], env.get("obs") if env["suite"] == "dmc" else None)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # Records written before frames were recorded: env steps x the run's action repeat.
+    points = {r.get("frames", r["env_steps"] * repeat): r[metric] for r in records if metric in r}
     if not points:
         raise ValueError(f"{run}/metrics.jsonl has no '{metric}' records")
-    steps, values = zip(*sorted(points))
-    return key, np.array(steps, dtype=float), np.array(values, dtype=float)
+    frames, values = zip(*sorted(points.items()))
+    return key, env, np.array(frames, dtype=float), np.array(values, dtype=float)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders or sweep folders")
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
-    parser.add_argument("--metric", default="eval/return_mean")
+    parser.add_argument("--metric", default="episode/return",
+                        help="a metrics.jsonl key (default: the training-episode return, as the reference's)")
     args = parser.parse_args()
+    try:
+        runs = run_folders(args.runs)
+        loaded = [load_run(run, args.metric) for run in runs]
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = defaultdict(list)
-    for run in args.runs:
-        if not (run / "metrics.jsonl").is_file() or not (run / "config.yaml").is_file():
-            print(f"error: {run} is not a run folder (needs metrics.jsonl and config.yaml)", file=sys.stderr)
-            return 2
-        try:
-            key, steps, values = load_run(run, args.metric)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        groups[key].append((steps, values))
+    for key, env, frames, values in loaded:
+        groups[key].append((env, frames, values))
     figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
     for axis, (key, curves) in zip(axes[0], sorted(groups.items(), key=lambda item: str(item[0]))):
-        grid = np.linspace(0, min(s[-1] for s, _ in curves), 50)
-        stacked = np.stack([np.interp(grid, s, v) for s, v in curves])
-        low, median, high = np.percentile(stacked, [25, 50, 75], axis=0)
-        axis.plot(grid, median, label=f"dreamer ({len(curves)} seed{'s' * (len(curves) > 1)})")
-        axis.fill_between(grid, low, high, alpha=0.3)
-        if key in REFERENCE_SCORES:
-            ref = REFERENCE_SCORES[key]
-            axis.plot(list(ref), list(ref.values()), "k--o", markersize=3, label="reference")
+        reference = curve(curves[0][0])
+        print(f"{' '.join(str(k) for k in key if k)}: {len(curves)} run(s), reference "
+              f"{reference.source if reference else 'none published'}")
+        end = max(f[-1] for _, f, _ in curves)
+        if reference is not None:
+            shown = reference.frames <= end * 1.05
+            axis.fill_between(reference.frames[shown], reference.low[shown], reference.high[shown], color="0.85",
+                              label=f"reference min-max ({reference.seeds} seeds)")
+            axis.plot(reference.frames[shown], reference.mean[shown], "k--", linewidth=1, label="reference mean")
+        for index, (_, frames, values) in enumerate(curves):
+            axis.plot(frames, values, "o-", markersize=3, linewidth=0.8, alpha=0.6 if len(curves) > 1 else 1.0,
+                      label="dreamer" if len(curves) == 1 else ("dreamer, each seed" if index == 0 else None),
+                      color="C0")
+        if len(curves) > 1:  # over the frames every seed reached: no point is invented beyond a run's records
+            start, stop = max(f[0] for _, f, _ in curves), min(f[-1] for _, f, _ in curves)
+            if stop > start:
+                grid = np.linspace(start, stop, 50)
+                stacked = np.stack([np.interp(grid, f, v) for _, f, v in curves])
+                low, median, high = np.percentile(stacked, [25, 50, 75], axis=0)
+                axis.plot(grid, median, color="C1", label=f"dreamer median ({len(curves)} seeds)")
+                axis.fill_between(grid, low, high, color="C1", alpha=0.25)
         axis.set_title(" ".join(str(k) for k in key if k))
-        axis.set_xlabel("env steps")
+        axis.set_xlabel("frames (env steps x action repeat)")
         axis.set_ylabel(args.metric)
-        axis.legend(loc="lower right")
+        axis.legend(loc="best", fontsize=7)
     figure.tight_layout()
     figure.savefig(args.out, dpi=100)
-    print(f"{len(args.runs)} runs in {len(groups)} group(s) -> {args.out}")
+    print(f"{len(runs)} runs in {len(groups)} group(s) -> {args.out}")
     return 0
 
 

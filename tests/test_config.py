@@ -146,3 +146,36 @@ def test_the_wandb_logger_settings_are_checked():
     with open_dict(cfg):
         del cfg.logger["init_timeout"]
     validate(cfg)
+
+
+# The reference recipe per preset (../shared/REFERENCE.md, reference-scores/README.md): model, batch size x
+# length, train_ratio, envs, action repeat (None: the suite has none).
+REFERENCE_RECIPE = {
+    "dmc_proprio": ("size1m", 16, 64, 1024, 16, 1),
+    "dmc_vision": ("size200m", 16, 64, 256, 16, 1),
+    "crafter": ("size200m", 16, 64, 512, 1, None),
+    "atari100k": ("size200m", 16, 64, 256, 1, 4),
+    "atari": ("size200m", 16, 64, 32, 16, 4),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(REFERENCE_RECIPE))
+def test_the_suite_presets_are_the_reference_recipe(preset):
+    cfg = _compose([f"+exp={preset}"])
+    model, batch, length, ratio, envs, repeat = REFERENCE_RECIPE[preset]
+    assert (cfg.model.name, cfg.batch_size, cfg.batch_length, cfg.run.train_ratio, cfg.run.envs) == \
+        (model, batch, length, ratio, envs)
+    assert cfg.env.get("repeat") == repeat
+    assert (cfg.optimizer.lr, cfg.optimizer.warmup) == (4.0e-5, 1000)
+    # A smaller model is one override away (README: what each preset costs).
+    assert _compose([f"+exp={preset}", "model=size12m"]).model.name == "size12m"
+
+
+def test_frames_are_env_steps_times_the_action_repeat():
+    from dreamer.envs import frames_per_step
+
+    assert frames_per_step(_compose(["+exp=dmc_proprio"]).env) == 1
+    assert frames_per_step(_compose(["+exp=dmc_proprio", "env.repeat=2"]).env) == 2
+    assert frames_per_step(_compose(["+exp=atari100k"]).env) == 4
+    assert frames_per_step(_compose(["+exp=crafter"]).env) == 1
+    assert frames_per_step(_compose([]).env) == 1

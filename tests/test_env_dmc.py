@@ -19,7 +19,7 @@ from dm_control import suite  # noqa: E402  (after dreamer.envs.dmc on purpose)
 
 def config(**overrides):
     base = dict(
-        suite="dmc", task="walker_walk", obs="proprio", repeat=2, size=[64, 64], camera=-1, max_episode_steps=500
+        suite="dmc", task="walker_walk", obs="proprio", repeat=1, size=[64, 64], camera=-1, max_episode_steps=1000
     )
     return OmegaConf.create({**base, **overrides})
 
@@ -162,7 +162,7 @@ def test_max_episode_steps_truncates():
 
 
 def test_time_limit_ends_walker_after_500_agent_steps():
-    env = make_env(config(max_episode_steps=10**6), seed=0)
+    env = make_env(config(repeat=2, max_episode_steps=10**6), seed=0)
     steps = run(env, actions(600, 6))
     assert len(steps) == 500  # 1000 physics steps at repeat 2
     assert steps[-1]["truncated"].item() and not steps[-1]["terminated"].item()

@@ -244,7 +244,7 @@ def test_presets_get_folders_of_their_own():
             names[preset] = compose(config_name="config", overrides=[f"+exp={preset}"]).run.name
         names["default"] = compose(config_name="config").run.name
     assert len(set(names.values())) == len(names), names
-    assert names["dmc_vision"] == "dmc_vision-walker_walk-size12m-seed0"
+    assert names["dmc_vision"] == "dmc_vision-walker_walk-size200m-seed0"
 
 
 def test_a_rerun_with_other_settings_stops_before_touching_the_folder(workdir):

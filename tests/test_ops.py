@@ -65,6 +65,30 @@ def test_a_joblib_sweep_makes_one_run_folder_per_job_and_a_summary(workdir):
                     "--metric", "eval/return_mean"], workdir)
     assert plot.returncode == 0, plot.stderr
     assert (workdir / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # As the README shows it: the sweep's folder, or its entries (multirun.yaml among them, skipped).
+    for paths in ([str(sweep)], [str(p) for p in sorted(sweep.iterdir())]):
+        plot = _python([str(ROOT / "scripts" / "plot.py"), *paths, "--out", "d.png"], workdir)
+        assert plot.returncode == 0, plot.stderr
+        assert "2 runs in 1 group(s)" in plot.stdout and "reference none published" in plot.stdout
+
+
+def test_plot_draws_a_dmc_run_over_the_reference_curve_at_equal_frames(workdir):
+    """A recorded dmc run folder (its config.yaml and metrics.jsonl written here, as training writes them):
+    the plot finds the reference's walker_walk curve; a folder that is not a run gets one line, exit 2."""
+    run = workdir / "runs" / "dmc"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("env:\n  suite: dmc\n  task: walker_walk\n  obs: proprio\n  repeat: 1\n")
+    records = [{"kind": "train", "env_steps": s, "frames": s, "updates": s, "episode/return": s / 200}
+               for s in range(5000, 60001, 5000)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot = _python([str(ROOT / "scripts" / "plot.py"), str(run), "--out", "w.png"], workdir)
+    assert plot.returncode == 0, plot.stderr
+    assert "reference dmc_proprio:dmc_walker_walk" in plot.stdout
+    assert (workdir / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = workdir / "empty"
+    empty.mkdir()
+    plot = _python([str(ROOT / "scripts" / "plot.py"), str(empty)], workdir)
+    assert plot.returncode == 2 and len(plot.stderr.strip().splitlines()) == 1 and "not a run folder" in plot.stderr
 
 
 def test_an_unknown_key_in_a_sweep_fails_before_any_job(workdir):

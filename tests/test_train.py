@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dreamer.config import group_options
 from tests.conftest import ROOT, run_train
@@ -129,6 +130,10 @@ def test_every_preset_trains_a_few_updates_and_evaluates_short_episodes(workdir,
     # The smoke preset ends episodes after 100 agent steps (the record counts the final observation too),
     # so that an evaluation takes seconds in every preset.
     assert records[-1]["eval/length_mean"] <= 101
+    # Frames as the reference counts them: env steps x the action repeat of the run's env.
+    env = yaml.safe_load((workdir / "runs" / "p" / "config.yaml").read_text())["env"]
+    repeat = env.get("repeat", 1) if env["suite"] in ("dmc", "atari") else 1
+    assert all(r["frames"] == r["env_steps"] * repeat for r in records)
 
 
 def test_a_failing_env_is_restarted_and_the_run_goes_on(workdir):

@@ -25,6 +25,15 @@ SUITES = {
 }
 
 
+# dmc domain names accepted beside dm_control's own (`cup_catch` is `ball_in_cup_catch`)
+DMC_DOMAIN_ALIASES = {"cup": "ball_in_cup"}
+
+
+def frames_per_step(env_cfg) -> int:
+    """Frames per agent step, as the reference counts them: the action repeat (dmc, atari), else 1."""
+    return int(env_cfg.get("repeat", 1)) if env_cfg.get("suite") in ("dmc", "atari") else 1
+
+
 class EnvConfigError(ValueError):
     """A bad environment setting; the message is one line for the user."""
 

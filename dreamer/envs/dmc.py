@@ -32,8 +32,9 @@ from tensordict import TensorDict, TensorDictBase  # noqa: E402
 from torchrl.data import Bounded, Categorical, Composite, Unbounded  # noqa: E402
 from torchrl.envs import EnvBase  # noqa: E402
 
-# Short names of the reference implementation -> dm_control domain.
-DOMAIN_ALIASES = {"cup": "ball_in_cup"}
+from dreamer.envs import DMC_DOMAIN_ALIASES  # noqa: E402
+
+DOMAIN_ALIASES = DMC_DOMAIN_ALIASES  # short domain names of the reference -> dm_control's
 # Camera used when env_cfg.camera is -1 (the reference's choice); other domains use camera 0.
 DEFAULT_CAMERAS = {"quadruped": 2}
 # Action bounds wider than this (e.g. lqr's +-1e10) are left as they are: the [-1, 1] action is passed through.
@@ -67,7 +68,7 @@ def make(env_cfg: DictConfig, seed: int) -> EnvBase:
         env_cfg.task,
         seed=seed,
         obs=env_cfg.get("obs", "proprio"),
-        repeat=int(env_cfg.get("repeat", 2)),
+        repeat=int(env_cfg.get("repeat", 1)),
         size=(int(size[0]), int(size[1])),
         camera=int(env_cfg.get("camera", -1)),
         max_episode_steps=int(env_cfg.max_episode_steps),
@@ -84,10 +85,10 @@ class DMCEnv(EnvBase):
         task: str,
         seed: int = 0,
         obs: str = "proprio",
-        repeat: int = 2,
+        repeat: int = 1,
         size: tuple[int, int] = (64, 64),
         camera: int = -1,
-        max_episode_steps: int = 500,
+        max_episode_steps: int = 1000,
     ):
         from . import EnvConfigError
 
