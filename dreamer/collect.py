@@ -15,6 +15,7 @@ The worker processes that run this collector one env each live in `dreamer.worke
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,7 +193,10 @@ class Collector:
         record.set("next", torch.stack(self.observed))
         exploration = ExplorationType.RANDOM if self.explore else ExplorationType.DETERMINISTIC
         asked = time.perf_counter()
-        with set_exploration_type(exploration):
+        # torchrl's exploration type is one setting for the whole process: a policy that fixes its own
+        # (the inline source's acting copy, stepping in a thread of its own) is called without touching it.
+        own = getattr(self.policy, "sets_exploration", False)
+        with contextlib.nullcontext() if own else set_exploration_type(exploration):
             acted = self.policy(record.to(self.device)).get("policy").to("cpu")
         self.seconds["policy"] += time.perf_counter() - asked
         action = acted.get("action").float()

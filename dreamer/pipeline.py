@@ -54,6 +54,10 @@ class Source:
     def synced(self, updates: int) -> None:
         """After each update (`updates` so far): refreshes the acting weights when a sync is due."""
 
+    def settle(self) -> None:
+        """Until no step of this source runs in the training process (before an evaluation: torchrl's
+        exploration type is one setting for the whole process, and an evaluation sets its own)."""
+
     def stats(self) -> dict[str, float]:
         """Figures for a metrics record, over the time since the previous call."""
         return {}
@@ -94,6 +98,8 @@ class ActingCopy:
     all on this stream: nothing waits for the learner's stream (a tensordict `.to("cpu")` would
     synchronize the device).
     """
+
+    sets_exploration = True  # it samples its actions (explores) whatever the process-wide setting says
 
     def __init__(self, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, envs: int, device: torch.device,
                  cudagraph: bool, sync_every: int):
@@ -211,6 +217,10 @@ class InlineSource(Source):
     def synced(self, updates: int) -> None:
         if self.acting is not None:
             self.acting.synced(updates)
+
+    def settle(self) -> None:
+        if self.next is not None:
+            wait([self.next])  # its result (or error) is taken by the next gather
 
     def stats(self) -> dict[str, float]:
         seconds = self.collector.seconds

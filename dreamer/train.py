@@ -183,6 +183,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         return bool(stop)
 
     def run_eval(kind: str) -> None:
+        source.settle()  # no step of the inline source runs beside the evaluation's
         if cfg.run.eval_video and layout.image_shape is not None:
             finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes, stopped)
             record = summarize(finished)

@@ -135,3 +135,31 @@ def test_the_update_ratio_holds_through_the_inline_source():
     finally:
         source.close()
         replay.close()
+
+
+def test_a_policy_that_sets_its_own_exploration_is_called_without_touching_the_process_wide_setting():
+    """The inline source's acting copy steps in a thread of its own beside the loop (and its evaluations):
+    the collector leaves torchrl's process-wide exploration type alone for it, and sets it for others."""
+    from torchrl.envs import ExplorationType, exploration_type, set_exploration_type
+
+    from dreamer.collect import Collector
+
+    cfg = _cfg("run.envs=1")
+    settings = validate(cfg)
+    layout = _layout(cfg)
+    seen = []
+
+    class Recording(LeanPolicy):
+        def forward(self, record):
+            seen.append(exploration_type())
+            return super().forward(record)
+
+    for sets_own in (True, False):
+        policy = Recording(settings.size.latent, settings.size.deter)
+        policy.sets_exploration = sets_own
+        collector = Collector([make_env(cfg.env, 0)], lambda i: make_env(cfg.env, 0), policy, layout, settings.size,
+                              "cpu", explore=True)
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            collector.step()
+        collector.close()
+    assert seen == [ExplorationType.DETERMINISTIC, ExplorationType.RANDOM]
