@@ -11,9 +11,9 @@ ended; it acts with a policy whose weights it refreshes from the learner's. Two 
 Both act with a copy of the policy's weights, refreshed every `run.sync_every` updates without the
 learner waiting (`dreamer.inference.WeightSync`), so acting never waits for the updates queued on the
 learner's stream. On a CUDA learner the inline source's copy runs on a CUDA stream of its own (high
-priority, a CUDA graph of the whole batch of envs): while the GPU runs the owed updates, the trainer's
-thread asks for the next actions, which are computed beside the updates instead of after them, and
-steps the envs on the CPU. The update ratio is untouched (the loop owes and runs updates exactly as
+priority, a CUDA graph of the whole batch of envs), and its step runs one step ahead in a thread of its
+own: while the loop queues and runs the owed updates, the next actions are computed beside them and the
+envs step on the CPU (`InlineSource`). The update ratio is untouched (the loop owes and runs updates exactly as
 before); what changes is the acting weights' age: at most `run.sync_every` updates plus the updates
 queued on the device when a sync is applied, reported as `collect/weights_age` (updates). On a CPU
 learner there is nothing to overlap: the inline source acts with the learner's own weights (age 0).

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import torch
+from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,7 +62,6 @@ from dreamer.inference import percentile  # noqa: E402
 from dreamer.learner import Learner  # noqa: E402
 from dreamer.pipeline import Updates, WorkerSource  # noqa: E402
 from dreamer.replay import Replay  # noqa: E402
-from torchrl.trainers.algorithms import DreamerV3UpdateRatio  # noqa: E402
 
 
 def app_config(args):
@@ -69,7 +69,7 @@ def app_config(args):
     from hydra import compose, initialize_config_dir
 
     model = ["+debug=smoke"] if args.model == "smoke" else [f"model={args.model}"]
-    device = args.device if args.device != "cpu" else "cpu"
+    device = args.device
     overrides = ["+exp=emulated", *model, f"batch_size={args.batch}", f"batch_length={args.length}",
                  f"run.envs={args.envs}", f"env.step_latency={args.latency}", f"run.train_ratio={args.train_ratio}",
                  f"run.chunk={args.chunk}", f"run.sync_every={args.sync_every}",

@@ -34,7 +34,6 @@ from torchrl.envs import EnvBase  # noqa: E402
 
 from dreamer.envs import DMC_DOMAIN_ALIASES  # noqa: E402
 
-DOMAIN_ALIASES = DMC_DOMAIN_ALIASES  # short domain names of the reference -> dm_control's
 # Camera used when env_cfg.camera is -1 (the reference's choice); other domains use camera 0.
 DEFAULT_CAMERAS = {"quadruped": 2}
 # Action bounds wider than this (e.g. lqr's +-1e10) are left as they are: the [-1, 1] action is passed through.
@@ -46,7 +45,7 @@ def _tasks() -> dict[str, tuple[str, str]]:
     from dm_control import suite
 
     names = {f"{domain}_{task}": (domain, task) for domain, task in suite.ALL_TASKS}
-    for alias, domain in DOMAIN_ALIASES.items():
+    for alias, domain in DMC_DOMAIN_ALIASES.items():
         for domain_, task in suite.ALL_TASKS:
             if domain_ == domain:
                 names[f"{alias}_{task}"] = (domain, task)
