@@ -1,12 +1,16 @@
 """The batched inference server: the acting policy on the inference device, serving env worker processes.
 
 Workers send one record each (the carry the policy had before o[t], and o[t] under `next`, the layout of
-`dreamer.collect`) through torchrl's process-slot transport: every worker owns a fixed shared-memory
-slot, and only a wake-up signal crosses processes. torchrl's `InferenceServer` runs on the inference
+`dreamer.collect`) through a process-slot transport: every worker owns a fixed slot in shared memory,
+and only a wake-up signal crosses processes. A slot is one row of bytes (`Rows`: every leaf of the
+request packed at a fixed offset), so a pass moves its whole batch with one gather, one copy to the
+device, one copy back and one scatter; torchrl's transport moves every leaf of a tensordict separately,
+and its passes measured about 5 ms of host work beside 2.6 ms on the GPU (BENCHMARKS.md). torchrl's
+`InferenceServer` loop (waiting, draining ready slots, the model lock, statistics) runs on the inference
 device, in a process of its own (its Python never waits for the trainer's) or in a thread of the
-trainer (its kernels run beside the learner's on a shared GPU), and answers a whole sweep of ready slots with one
-batched pass; on CUDA that pass is a CUDA graph of a static batch of `run.envs` rows, on a high-priority
-stream of its own.
+trainer (its kernels run beside the learner's on a shared GPU), and answers a whole sweep of ready slots
+with one batched pass (`RowPass`); on CUDA that pass is a CUDA graph of the smallest captured batch that
+holds the sweep, on a high-priority stream of its own.
 
 The server acts with its own copy of the policy's weights: the learner updates its weights in place,
 inside a CUDA graph, while the server reads its copy. `WeightSync` refreshes the copy every
@@ -30,7 +34,6 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 from torchrl.envs import ExplorationType, set_exploration_type
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
-from torchrl.modules.inference_server._process_slot import _ProcessSlotClient
 
 from dreamer import reaper
 from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
@@ -106,19 +109,105 @@ class _Doorbell:
             pass
 
 
-class _NoLock:
-    """Stands in for the transport's shared request lock on the worker side (see KillSafeSlotTransport)."""
+class Rows:
+    """A tensordict layout packed into one row of bytes: each leaf at a fixed offset of the row.
 
-    def __enter__(self):
-        return self
+    A bank of rows [n, width] (uint8) then moves n requests or answers with one copy, and `views` gives
+    the leaves of any rows as tensors that share its memory. Leaves are placed by descending element
+    size, so each offset is a multiple of its element size and the row width a multiple of 8.
+    """
 
-    def __exit__(self, *exc) -> None:
-        return None
+    def __init__(self, spec: TensorDictBase):
+        leaves = sorted(spec.items(include_nested=True, leaves_only=True), key=lambda item: -item[1].element_size())
+        self.fields: list[tuple] = []  # (key, dtype, shape, offset, bytes)
+        offset = 0
+        for key, value in leaves:
+            size = value.numel() * value.element_size()
+            self.fields.append((key, value.dtype, tuple(value.shape), offset, size))
+            offset += size
+        self.width = -(-offset // 8) * 8
+
+    def allocate(self, rows: int, device=None) -> torch.Tensor:
+        return torch.zeros(rows, self.width, dtype=torch.uint8, device=device)
+
+    def views(self, rows: torch.Tensor) -> list[tuple]:
+        """[(key, view)]: each leaf of `rows` [..., width], shaped [..., *leaf shape]."""
+        views = []
+        for key, dtype, shape, offset, size in self.fields:
+            flat = rows[..., offset:offset + size].view(dtype)
+            views.append((key, flat.unflatten(-1, shape) if shape else flat.squeeze(-1)))
+        return views
+
+    def tensordict(self, rows: torch.Tensor) -> TensorDict:
+        batch = TensorDict(batch_size=rows.shape[:-1], device=rows.device)
+        for key, view in self.views(rows):
+            batch.set(key, view)
+        return batch
+
+
+class RowClient:
+    """A worker's end of one slot: writes its request into the slot's row, rings the server, waits for
+    the answer's ring and reads the answer from the slot's response row.
+
+    Nothing here takes a lock (see KillSafeSlotTransport). The views of the slot's rows are made on first
+    use, in the worker's process, not pickled with the client.
+    """
+
+    def __init__(self, transport: KillSafeSlotTransport, slot: int):
+        self.slot = slot
+        self.requests, self.responses = transport.requests, transport.responses
+        self.request_rows, self.response_rows = transport.request_rows, transport.response_rows
+        self.ready, self.submitted_at = transport._request_ready, transport._submitted_at
+        self.status, self.errors = transport._response_status, transport._exception_queues[slot]
+        self.doorbell, self.work = transport._response_events[slot], transport._work_semaphore
+        self._in = self._out = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_in": None, "_out": None}
+
+    def ask(self, request: TensorDictBase) -> list[tuple]:
+        """The answer's [(key, view)] in the slot's response row [1, ...]: valid until the next request.
+        `request` holds the request's leaves, with or without a batch dimension of 1."""
+        if self._in is None:
+            self._in = self.request_rows.views(self.requests[self.slot:self.slot + 1])
+            self._out = self.response_rows.views(self.responses[self.slot:self.slot + 1])
+        for key, view in self._in:
+            view.copy_(request.get(key))
+        slot = self.slot
+        self.doorbell.clear()
+        self.status[slot] = 0
+        self.submitted_at[slot] = time.monotonic()
+        self.ready[slot] = 1  # after the payload: the server reads the row once it sees this byte
+        self.work.release()
+        while not self.doorbell.wait(0.1):  # raises SystemExit when the trainer is gone
+            pass
+        self.doorbell.clear()
+        if self.status[slot]:
+            raise self.errors.get()
+        return self._out
+
+    def __call__(self, request: TensorDictBase, timeout: float | None = None) -> TensorDict:
+        """The answer as a tensordict of its own (`policy`, `policy_version`)."""
+        answer = TensorDict()
+        for key, view in self.ask(request):
+            answer.set(key, view[0].clone())
+        return answer
+
+    def act(self, record: TensorDictBase) -> TensorDictBase:
+        """The worker's policy call: the answer's `policy` keys set in `record` [1] (copies)."""
+        for key, view in self.ask(record):
+            if key[0] == "policy":
+                record.set(key, view.clone())
+        return record
 
 
 class KillSafeSlotTransport(ProcessSlotTransport):
-    """torchrl's process-slot transport with nothing a killed worker can leave locked.
+    """torchrl's process-slot transport with rows of bytes for slots and nothing a killed worker can
+    leave locked.
 
+    - Each slot's request and answer are rows of shared banks (`Rows`): `RowClient` on the worker's
+      side, `RowPass` on the server's. torchrl's per-leaf slot banks stay allocated but unused, except
+      by its loop's shutdown path.
     - Answers ring a `_Doorbell` (a semaphore) instead of an Event.
     - Workers publish a request without the shared request lock: they write the payload, then the
       slot's ready byte, then release the server's work semaphore. The semaphore release orders those
@@ -133,30 +222,32 @@ class KillSafeSlotTransport(ProcessSlotTransport):
         context = multiprocessing.get_context("spawn")
         super().__init__(request_spec, response_spec, num_slots=num_slots, ctx=context)
         self._response_events = [_Doorbell(context) for _ in range(num_slots)]
+        self.request_rows, self.response_rows = Rows(request_spec), Rows(response_spec)
+        self.requests = self.request_rows.allocate(num_slots).share_memory_()
+        self.responses = self.response_rows.allocate(num_slots).share_memory_()
 
-    def client(self) -> _ProcessSlotClient:
+    def client(self) -> RowClient:
         slot = self._next_client_slot
         if slot >= self._num_slots:
             raise RuntimeError(f"all {self._num_slots} slots have clients")
         self._next_client_slot += 1
-        return _ProcessSlotClient(
-            slot_id=slot, request_slots=self._request_slots, response_slots=self._response_slots,
-            request_keys=self._request_keys, request_ready=self._request_ready, request_lock=_NoLock(),
-            submitted_at=self._submitted_at, response_status=self._response_status,
-            response_event=self._response_events[slot], exception_queue=self._exception_queues[slot],
-            work_semaphore=self._work_semaphore, peer_alive=None, copy_result=self._copy_result,
-        )
+        return RowClient(self, slot)
+
+    def ring(self, slots: list[int]) -> None:
+        """Wakes the workers of `slots`, their answers written."""
+        for slot in slots:
+            self._response_status[slot] = 0
+            self._response_events[slot].set()
 
 
 class _ServingGraph:
-    """The served policy captured once as a CUDA graph of a static batch, replayed on the caller's stream.
+    """A policy captured once as a CUDA graph of a static batch, replayed on the caller's stream (the
+    inline source's acting copy, `dreamer.pipeline.ActingCopy`).
 
-    torchrl's server captures with tensordict's `CudaGraphModule`, which synchronizes the whole device
-    before every replay: on a GPU shared with the learner each inference pass then waits for the
-    learner's queued update (the first two pipeline runs on one H200 measured a p99 of 129 to 132 ms,
-    about one update). Here the inputs are copied into the graph's static batch and the graph replayed
-    on the current stream (the serving stream), so a pass is ordered after the previous pass only; the
-    server reads the outputs, on that stream, before the next replay overwrites them.
+    Unlike tensordict's `CudaGraphModule`, which synchronizes the whole device before every replay (see
+    `_StreamServer`), the inputs are copied into the graph's static batch and the graph replayed on the
+    current stream, so a call is ordered after the previous call only; the caller reads the outputs, on
+    that stream, before the next replay overwrites them.
     """
 
     def __init__(self, model: nn.Module, example: TensorDictBase, warmup: int = 2):
@@ -186,33 +277,138 @@ class _ServingGraph:
         return self.outputs
 
 
+def graph_sizes(clients: int) -> list[int]:
+    """The batch sizes the server captures a graph for: 8, 16, 32, ... up to `clients` (which is one)."""
+    sizes, size = [], 8
+    while size < clients:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, clients]
+
+
+class RowPass:
+    """One pass of the server over a sweep of ready slots, on the current stream (the serving stream).
+
+    The requests' rows are gathered from the shared bank into a host batch (pinned on CUDA), copied to
+    the device rows in one copy, the policy reads its inputs from views of those rows and its answer
+    goes into device response rows, which come back in one copy; after one event wait the answers are
+    scattered into the slots' response rows. With `cudagraph` the policy and the writes of its answer
+    are CUDA graphs, one per size of `graph_sizes` (sharing one memory pool), and a pass replays the
+    smallest that holds its requests: rows past them hold earlier requests and their answers are not
+    read. The size200m pass measured 0.98 ms of GPU time at 8 rows against 1.67 at 64 (BENCHMARKS.md),
+    and a sweep holds about 8 requests of 64 workers.
+    """
+
+    def __init__(self, transport: KillSafeSlotTransport, model: nn.Module, device: torch.device, cudagraph: bool,
+                 warmup: int = 2):
+        self.transport, self.model = transport, model
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        slots = transport._num_slots
+        self.request_rows, self.response_rows = transport.request_rows, transport.response_rows
+        self.host_request = self.request_rows.allocate(slots)
+        self.host_response = self.response_rows.allocate(slots)
+        if cuda:
+            self.host_request, self.host_response = self.host_request.pin_memory(), self.host_response.pin_memory()
+        self.device_request = self.request_rows.allocate(slots, self.device) if cuda else self.host_request
+        self.device_response = self.response_rows.allocate(slots, self.device) if cuda else self.host_response
+        self.version = dict(self.response_rows.views(self.host_response))["policy_version"]
+        self.answer_keys = [key for key, *_ in self.response_rows.fields if key != "policy_version"]
+        self.event = torch.cuda.Event() if cuda else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if cudagraph and cuda:
+            self._capture(graph_sizes(slots), warmup)
+
+    def _forward(self, rows: int) -> None:
+        """The policy on device rows [:rows], its answer written into the device response rows."""
+        answer = self.model(self.request_rows.tensordict(self.device_request[:rows]))
+        for key, view in self.response_rows.views(self.device_response[:rows]):
+            if key != "policy_version":
+                view.copy_(answer.get(key))
+
+    def _capture(self, sizes: list[int], warmup: int) -> None:
+        device = self.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # lazy initializations and autotuning happen outside the capture
+            for size in sizes:
+                for _ in range(warmup):
+                    self._forward(size)
+        torch.cuda.current_stream(device).wait_stream(side)
+        # A capture stream of its own: cuBLAS picks its workspace per stream at capture and the graph
+        # keeps it. Captured on torch's shared default capture stream, like the learner's step was, both
+        # graphs used one workspace, and replayed side by side they hung the GPU (a pipeline run on one
+        # H200 never finished its train phase). thread_local: the learner's thread may call into CUDA
+        # while the server captures.
+        capture, pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+        for size in sorted(sizes, reverse=True):  # the largest first: the pool fits the others in its blocks
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=capture, capture_error_mode="thread_local"):
+                self._forward(size)
+            self.graphs[size] = graph
+        self.graphs = dict(sorted(self.graphs.items()))  # a pass takes the first that holds its rows
+        torch.cuda.current_stream(device).wait_stream(capture)
+
+    def __call__(self, slots: list[int], version: int) -> None:
+        """Answers the requests of `slots` into their response rows (the caller rings them)."""
+        rows = len(slots)
+        index = torch.tensor(slots, dtype=torch.long)
+        torch.index_select(self.transport.requests, 0, index, out=self.host_request[:rows])
+        if self.event is not None:
+            self.device_request[:rows].copy_(self.host_request[:rows], non_blocking=True)
+            if self.graphs:
+                self.graphs[next(size for size in self.graphs if size >= rows)].replay()
+            else:
+                self._forward(rows)
+            self.host_response[:rows].copy_(self.device_response[:rows], non_blocking=True)
+            self.event.record()
+            self.event.synchronize()
+        else:
+            self._forward(rows)
+        self.version[:rows].fill_(version)
+        self.transport.responses.index_copy_(0, index, self.host_response[:rows])
+
+
 class _StreamServer(InferenceServer):
-    """torchrl's server, its serving thread on a CUDA stream of its own, its pass our `_ServingGraph`.
+    """torchrl's server loop with our pass (`RowPass`), its serving thread on a CUDA stream of its own.
 
     A thread's current stream is the device's default stream, which the learner uses: on a shared GPU
     every inference pass would queue behind the learner's update. torch's streams do not synchronize
-    with the default one, so the two overlap.
+    with the default one, so the two overlap. torchrl's own pass would capture with tensordict's
+    `CudaGraphModule`, which synchronizes the whole device before every replay: on a GPU shared with
+    the learner each pass then waited for the learner's queued update (the first two pipeline runs on
+    one H200 measured a p99 of 129 to 132 ms, about one update).
     """
 
     @torch.no_grad()
     def prepare_cudagraph(self, request_spec: TensorDictBase, *, interaction_type=None) -> None:
-        """Captures `_ServingGraph` in place of torchrl's capture, with the bookkeeping its serve loop
-        checks (the interaction code, the captured weights' storage, the input keys)."""
+        """Captures `RowPass`'s graphs in place of torchrl's capture, with the bookkeeping its weight
+        updates check (the captured weights' storage)."""
         if self.static_batch_size is None:
             return
         if interaction_type is not None:
             raise ValueError("the served policy sets its own exploration type; pass no interaction_type")
-        self._cudagraph_request_spec = request_spec.clone()
-        batch = self._collate_model_batch([request_spec.clone()], pad_to_static=True).to(self.policy_device)
-        context, batch, code = self._interaction_type_context(batch)
-        with context:
-            graph = _ServingGraph(self.model, batch)
-        self._cudagraph_model = graph
-        self._cudagraph_interaction_code = code
+        self._slot_batches = self._cudagraph_model = RowPass(self.transport, self.model, self.policy_device,
+                                                             cudagraph=True)
         self._cudagraph_tensor_references = self._model_tensor_references()
         self._cudagraph_storage_signature = self._tensor_storage_signature(self._cudagraph_tensor_references)
-        self._cudagraph_input_keys = frozenset(graph.keys)
-        self._cudagraph_input_keys_validated = False
+
+    def start(self) -> InferenceServer:
+        if self._slot_batches is None and self.static_batch_size is None:
+            self._slot_batches = RowPass(self.transport, self.model, self.policy_device, cudagraph=False)
+        return super().start()
+
+    @torch.no_grad()
+    def _serve_slot_batch(self, batches: RowPass, slots: list[int], submitted_at: list[float | None]) -> None:
+        """One pass of torchrl's loop: the requests of `slots`, answered and rung; the pass's duration
+        (from the gather of the requests to their answers in the slots) kept for `stats`."""
+        start = time.monotonic()
+        waits = [(start - at) * 1000.0 for at in submitted_at if at]
+        with self._model_lock:
+            batches(slots, self.policy_version)
+        self._record_batch_stats(batch_size=len(slots), queue_wait_ms=waits,
+                                 forward_ms=(time.monotonic() - start) * 1000.0)
+        self.transport.ring(slots)
 
     def _run(self) -> None:
         device = self.policy_device
@@ -489,7 +685,8 @@ class Inference:
             raise CollectionError(f"the inference server stopped{code}")
 
     def snapshot(self, timeout: float = 60.0) -> tuple[dict, list[float]]:
-        """torchrl's server statistics and the durations of the recent passes (ms, host to device and back).
+        """torchrl's server statistics and the durations of the recent passes (ms, from the gather of
+        the requests to their answers in the slots).
 
         Raises CollectionError when the server has stopped, or gives no answer within `timeout` s.
         """

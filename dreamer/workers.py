@@ -43,9 +43,7 @@ class _RemotePolicy:
         self.client = client
 
     def __call__(self, record: TensorDictBase) -> TensorDictBase:
-        answer = self.client(record[0])
-        record.set("policy", answer.get("policy").unsqueeze(0))
-        return record
+        return self.client.act(record)
 
 
 @dataclass

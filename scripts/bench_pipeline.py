@@ -283,9 +283,6 @@ def main() -> None:
     parser.add_argument("--inference-wait-ms", type=float, default=0.0, help="run.inference_wait_ms")
     parser.add_argument("--inference", choices=["auto", "thread", "process"], default="auto",
                         help="the server in its own process or a thread of this one (auto: as run.inference)")
-    parser.add_argument("--serving-graph", choices=["ours", "torchrl"], default="ours",
-                        help="the server's CUDA graph: ours (replayed on the serving stream alone) or torchrl's "
-                             "(tensordict's CudaGraphModule: a device-wide synchronize before every replay)")
     parser.add_argument("--threads", type=int, default=0,
                         help="the trainer process's torch intra-op threads (0: torch's default, one per core; "
                              "run.threads); env workers use one each")
@@ -320,15 +317,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.switch_interval_ms:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
-    if args.serving_graph == "torchrl":
-        from torchrl.modules.inference_server import InferenceServer
-
-        from dreamer import inference
-        inference._StreamServer.prepare_cudagraph = InferenceServer.prepare_cudagraph
     p = Pipeline(args)
     config = {"model": args.model, "batch": args.batch, "length": args.length, "envs": args.envs,
               "latency": args.latency, "train_ratio": args.train_ratio, "device": args.device,
-              "inference": args.inference, "serving_graph": args.serving_graph, "switch_interval_ms": sys.getswitchinterval() * 1000,
+              "inference": args.inference, "switch_interval_ms": sys.getswitchinterval() * 1000,
               "inference_wait_ms": args.inference_wait_ms,
               "threads": torch.get_num_threads(),
               "gpu": torch.cuda.get_device_name(p.device) if p.cuda else "cpu",

@@ -120,7 +120,7 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
     through the event-gated sync."""
     from tests.test_pipeline import SIZE, _agent, _request
 
-    from dreamer.inference import Inference, _ServingGraph
+    from dreamer.inference import Inference, RowPass
 
     layout, agent = _agent()
     device = torch.device("cuda:0")
@@ -129,7 +129,8 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
                           process=process).start()
     try:
         if not process:  # our capture, replayed without a device-wide synchronize
-            assert isinstance(inference.server._cudagraph_model, _ServingGraph)
+            served = inference.server._cudagraph_model
+            assert isinstance(served, RowPass) and list(served.graphs) == [2]
         request = _request(layout, 3)
 
         def direct_belief():
