@@ -150,7 +150,8 @@ RANGES = (
 )
 CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
-           "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True)}
+           "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
+           "replay.online": (False, True)}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

@@ -6,6 +6,13 @@ episode end, where `is_init` resets the RSSM. After an update, the learner's ref
 record t becomes the stored context (state, belief) of record t+1 — but only if that slot still
 holds the record it held at sampling time (its generation is unchanged).
 
+Online sampling (`online=True`, the reference's): every `batch_length` records a stream receives make a
+fresh window (the last `batch_length + 1` of them), queued when written; a batch takes the queued fresh
+windows first, each once, and fills the rest uniformly. Each window of new experience is then trained
+on soon after it arrives, whatever the replay's size; the uniform part draws each stream in proportion
+to its windows. Fresh windows are not saved in checkpoints: after a resume, fresh ones start with the
+first new records.
+
 A sample carries the stored context of each sequence's first record only (the learner starts its
 recurrence there and reads no other): each record's context is 5,120 floats at size50m, nearly two thirds
 of a Minecraft record's bytes. In the batch, `state` and `belief` are that first context seen along the
@@ -273,8 +280,9 @@ class Replay:
         stock: bool = False,
         directory: Path | None = None,
         context_dtype: torch.dtype = CONTEXT_DTYPE,
+        online: bool = False,
     ):
-        """prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
+        """online: fresh windows first, each once, uniform otherwise (the module's docstring). prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
         stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
         context included: the reference that scripts/bench_replay.py measures ours against.
         directory: keep the records in memory-mapped files there (replay.storage=disk), for a replay
@@ -341,6 +349,12 @@ class Replay:
         # that checkpoints name records by. Changed under the stream's lock, with the insert.
         self.appended = [0] * streams
         self.lost_contexts = 0  # sampled sequences whose first record was overwritten before its context was read
+        self.online = online and not stock
+        # Fresh windows (stream, end position: the window is positions [end - sequence, end)), queued as the
+        # records arrive; each stream's next window ends batch_length after the last one queued.
+        self._fresh: deque[tuple[int, int]] = deque()
+        self._fresh_end = [1] * streams  # the first window ends at position batch_length + 1
+        self.online_sampled = 0  # fresh windows handed to batches
 
     def add(self, records: TensorDictBase) -> None:
         """Appends one record per stream (records has batch size [streams])."""
@@ -354,6 +368,7 @@ class Replay:
             self.buffer.extend(records)
             for stream in range(self.streams):
                 self.appended[stream] += 1
+                self._queue_fresh(stream)
         self.added += records.shape[0]
 
     def add_chunk(self, stream: int, records: TensorDictBase) -> None:
@@ -365,7 +380,33 @@ class Replay:
         with self.buffer._replay_lock, self.buffer._write_lock, member._replay_lock:
             member.extend(records)
             self.appended[stream] += records.shape[0]
+            self._queue_fresh(stream)
         self.added += records.shape[0]
+
+    def _queue_fresh(self, stream: int) -> None:
+        """Queues the fresh windows of `stream` that its new records completed (under its insert's locks)."""
+        if not self.online:
+            return
+        step = self.sequence - 1
+        while self._fresh_end[stream] + step <= self.appended[stream]:
+            self._fresh_end[stream] += step
+            self._fresh.append((stream, self._fresh_end[stream]))
+
+    def _take_fresh(self, count: int) -> tuple[list[int], list[int]]:
+        """(streams, first slots) of up to `count` queued fresh windows still held, oldest first (under the
+        ensemble's lock); a window already overwritten is dropped."""
+        streams, starts = [], []
+        while self._fresh and len(streams) < count:
+            stream, end = self._fresh.popleft()
+            member = self.buffer._rbs[stream]
+            start = end - self.sequence
+            if start < self.appended[stream] - len(member):
+                continue  # evicted before any batch took it
+            newest = (member.writer._cursor - 1) % self.capacity
+            streams.append(stream)
+            starts.append((newest - (self.appended[stream] - 1 - start)) % self.capacity)
+        self.online_sampled += len(streams)
+        return streams, starts
 
     def snapshot(self, stream: int, since: int, piece: int = 2048) -> tuple[int, int, TensorDictBase | None]:
         """(count, first, records): copies of the records of `stream` from position `since` (or the oldest
@@ -407,8 +448,10 @@ class Replay:
         if records.shape[0]:
             self.add_chunk(stream, records)
         member = self.buffer._rbs[stream]
-        with member._replay_lock:
+        with self.buffer._replay_lock, member._replay_lock:
             self.appended[stream] = count
+            self._fresh_end[stream] = count  # saved records are not fresh
+            self._fresh = deque(window for window in self._fresh if window[0] != stream)
 
     def end_stream(self, stream: int) -> bool:
         """Marks the newest record of `stream` as an episode end (truncated): its producer died.
@@ -474,9 +517,9 @@ class Replay:
 
     def _prepare(self) -> tuple[TensorDictBase, tuple | None]:
         """Draws a batch and gathers its records without their context, with its handles; for a CUDA
-        learner into a pinned staging buffer, returned with it. Each stream is drawn in proportion to
-        its windows of `sequence` records (a stream without one never), and a window uniformly among
-        them; windows never cross the write cursor."""
+        learner into a pinned staging buffer, returned with it. Online, the queued fresh windows come
+        first; the rest draw each stream in proportion to its windows of `sequence` records (a stream
+        without one never), and a window uniformly among them; windows never cross the write cursor."""
         members = self.buffer._rbs
         buffer = self._staging() if self.device.type == "cuda" else None
         with self.buffer._replay_lock:  # inserts hold it too: no torn record (write-backs touch no field read here)
@@ -485,11 +528,16 @@ class Replay:
             windows = (lengths - self.sequence + 1).clamp(min=0)
             if not bool(windows.any()):
                 raise RuntimeError(f"no replay stream holds a sequence of {self.sequence} records yet")
-            drawn = torch.multinomial(windows.double(), self.batch_size, replacement=True, generator=self.generator)
-            starts = (torch.rand(self.batch_size, dtype=torch.float64, generator=self.generator)
+            fresh, first = self._take_fresh(self.batch_size) if self.online else ([], [])
+            uniform = self.batch_size - len(fresh)
+            drawn = (torch.multinomial(windows.double(), uniform, replacement=True, generator=self.generator)
+                     if uniform else torch.zeros(0, dtype=torch.long))
+            starts = (torch.rand(uniform, dtype=torch.float64, generator=self.generator)
                       * windows[drawn]).long().clamp(max=windows[drawn] - 1)
             oldest = torch.where(lengths == self.capacity, (newest + 1) % self.capacity, 0)
-            slots = (oldest[drawn, None] + starts[:, None] + torch.arange(self.sequence)) % self.capacity
+            drawn = torch.cat([torch.tensor(fresh, dtype=torch.long), drawn])
+            starts = torch.cat([torch.tensor(first, dtype=torch.long), (oldest[drawn[len(fresh):]] + starts)])
+            slots = (starts[:, None] + torch.arange(self.sequence)) % self.capacity
             rows = (drawn[:, None] * self.capacity + slots).reshape(-1)
             shape = slots.shape
 

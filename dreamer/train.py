@@ -95,7 +95,7 @@ def make_replay(cfg: DictConfig, layout: EnvLayout, settings, run_dir: Path) -> 
     print(f"dreamer: replay of {records:,} records x {per_record:,} bytes = {amount} in "
           f"{'memory-mapped files' if directory else 'host memory'}", flush=True)
     return Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, settings.topology.learner,
-                  seed=cfg.seed, directory=directory)
+                  seed=cfg.seed, directory=directory, online=cfg.replay.online)
 
 
 def _overrides() -> list[str] | None:

@@ -66,6 +66,35 @@ def load_run(run: Path, metric: str) -> tuple[tuple, dict, np.ndarray, np.ndarra
     return key, env, np.array(frames, dtype=float), np.array(values, dtype=float)
 
 
+def draw(axis, title: str, curves: list[tuple[dict, np.ndarray, np.ndarray]], metric: str):
+    """One environment's runs [(env config, frames, values)] on `axis`, over the reference's band where it
+    has one; returns the reference curve (or None)."""
+    reference = curve(curves[0][0])
+    end = max(f[-1] for _, f, _ in curves)
+    if reference is not None:
+        shown = reference.frames <= end * 1.05
+        axis.fill_between(reference.frames[shown], reference.low[shown], reference.high[shown], color="0.85",
+                          label=f"reference min-max ({reference.seeds} seeds)")
+        axis.plot(reference.frames[shown], reference.mean[shown], "k--", linewidth=1, label="reference mean")
+    for index, (_, frames, values) in enumerate(curves):
+        axis.plot(frames, values, "o-", markersize=3, linewidth=0.8, alpha=0.6 if len(curves) > 1 else 1.0,
+                  label="dreamer" if len(curves) == 1 else ("dreamer, each seed" if index == 0 else None),
+                  color="C0")
+    if len(curves) > 1:  # over the frames every seed reached: no point is invented beyond a run's records
+        start, stop = max(f[0] for _, f, _ in curves), min(f[-1] for _, f, _ in curves)
+        if stop > start:
+            grid = np.linspace(start, stop, 50)
+            stacked = np.stack([np.interp(grid, f, v) for _, f, v in curves])
+            low, median, high = np.percentile(stacked, [25, 50, 75], axis=0)
+            axis.plot(grid, median, color="C1", label=f"dreamer median ({len(curves)} seeds)")
+            axis.fill_between(grid, low, high, color="C1", alpha=0.25)
+    axis.set_title(title)
+    axis.set_xlabel("frames (env steps x action repeat)")
+    axis.set_ylabel(metric)
+    axis.legend(loc="best", fontsize=7)
+    return reference
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run folders or sweep folders")
@@ -89,31 +118,9 @@ def main() -> int:
         groups[key].append((env, frames, values))
     figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
     for axis, (key, curves) in zip(axes[0], sorted(groups.items(), key=lambda item: str(item[0]))):
-        reference = curve(curves[0][0])
+        reference = draw(axis, " ".join(str(k) for k in key if k), curves, args.metric)
         print(f"{' '.join(str(k) for k in key if k)}: {len(curves)} run(s), reference "
               f"{reference.source if reference else 'none published'}")
-        end = max(f[-1] for _, f, _ in curves)
-        if reference is not None:
-            shown = reference.frames <= end * 1.05
-            axis.fill_between(reference.frames[shown], reference.low[shown], reference.high[shown], color="0.85",
-                              label=f"reference min-max ({reference.seeds} seeds)")
-            axis.plot(reference.frames[shown], reference.mean[shown], "k--", linewidth=1, label="reference mean")
-        for index, (_, frames, values) in enumerate(curves):
-            axis.plot(frames, values, "o-", markersize=3, linewidth=0.8, alpha=0.6 if len(curves) > 1 else 1.0,
-                      label="dreamer" if len(curves) == 1 else ("dreamer, each seed" if index == 0 else None),
-                      color="C0")
-        if len(curves) > 1:  # over the frames every seed reached: no point is invented beyond a run's records
-            start, stop = max(f[0] for _, f, _ in curves), min(f[-1] for _, f, _ in curves)
-            if stop > start:
-                grid = np.linspace(start, stop, 50)
-                stacked = np.stack([np.interp(grid, f, v) for _, f, v in curves])
-                low, median, high = np.percentile(stacked, [25, 50, 75], axis=0)
-                axis.plot(grid, median, color="C1", label=f"dreamer median ({len(curves)} seeds)")
-                axis.fill_between(grid, low, high, color="C1", alpha=0.25)
-        axis.set_title(" ".join(str(k) for k in key if k))
-        axis.set_xlabel("frames (env steps x action repeat)")
-        axis.set_ylabel(args.metric)
-        axis.legend(loc="best", fontsize=7)
     figure.tight_layout()
     figure.savefig(args.out, dpi=100)
     print(f"{len(runs)} runs in {len(groups)} group(s) -> {args.out}")

@@ -22,6 +22,10 @@
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
+#   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio, 6 tasks x 3 seeds to 100K frames,
+#                                             # 2 runs side by side, 9 minutes per command: rerun until it says
+#                                             # all runs finished, then LEARNING.md (scripts/learning_report.py)
+#   bash scripts/reproduce.sh learn-smoke     # the same chain on the CPU in minutes: 1 task x 3 seeds, smoke size
 #
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
 # scan configuration alone warms up for about 4 minutes at 32 x 256). Each variant runs under its own
@@ -112,12 +116,31 @@ case "${1:-}" in
     tail -n 30 "$OUT/$1.log"
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
+  learn-dmc | learn-smoke)
+    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set; runs go to $OUT/<group>/.
+    if [ "$1" = learn-dmc ]; then
+      tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
+      set_args=(--steps 100000 --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
+      points=50000,100000
+    else
+      tasks=${LEARN_TASKS:-cartpole_balance}
+      set_args=(--steps 400 --seconds "${LEARN_SECONDS:-600}" --min-start 10 -- +debug=smoke run.log_every=100
+                run.eval_every=200 run.compile=false)
+      points=200,400
+    fi
+    export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
+    $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
+      --parallel "${LEARN_PARALLEL:-2}" "${set_args[@]}" | tee -a "$OUT/$1.log"
+    if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
+      $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
+    fi
+    ;;
   envs)
     $PY scripts/bench_envs.py --suite emulated --workers 1,16,64 --seconds 6 | tee "$OUT/envs-emulated.txt"
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,21p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
     ;;
 esac

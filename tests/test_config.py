@@ -167,6 +167,7 @@ def test_the_suite_presets_are_the_reference_recipe(preset):
         (model, batch, length, ratio, envs)
     assert cfg.env.get("repeat") == repeat
     assert (cfg.optimizer.lr, cfg.optimizer.warmup) == (4.0e-5, 1000)
+    assert cfg.replay.online  # fresh windows first, uniform otherwise
     # A smaller model is one override away (README: what each preset costs).
     assert _compose([f"+exp={preset}", "model=size12m"]).model.name == "size12m"
 

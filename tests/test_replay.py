@@ -419,3 +419,34 @@ def test_the_table_generations_are_the_writers_own():
         expected = member.writer.generations_of(torch.arange(10))
         assert torch.equal(replay.table.generations[stream], expected)
     assert replay.table.generations[1].tolist() == [2] * 9 + [1]  # 29 writes into 10 slots (a first write: 0)
+
+
+def test_online_sampling_hands_each_fresh_window_to_the_next_batch_once_and_uniform_fills_the_rest():
+    """Streams of 2 envs, windows of batch_length + 1 = 4 records: every 3 records of a stream make a fresh
+    window (its last 4), which the next batch holds once; a batch with no fresh window is all uniform.
+    A chunk of one stream completes several windows at once; a window evicted before any batch took it
+    is dropped. Off, nothing is guaranteed beyond the uniform draw."""
+    replay = Replay(2, 2 * 12, 4, 3, torch.device("cpu"), seed=0, online=True)
+    for step in range(4):
+        replay.add(_records(step, 2))
+    batch, _ = replay.sample()  # positions 0..3 of both streams are fresh
+    assert sorted(batch.get("t")[:2].tolist()) == [[0, 1, 2, 3], [1000, 1001, 1002, 1003]]
+    assert replay.online_sampled == 2
+    replay.sample()  # nothing new: uniform only
+    assert replay.online_sampled == 2
+    for step in range(4, 7):
+        replay.add(_records(step, 2))
+    batch, _ = replay.sample()
+    assert sorted(batch.get("t")[:2, 0].tolist()) == [3, 1003]  # positions 3..6: one record shared with the last
+    # One stream's chunk of 7 records completes windows ending at positions 10 and 13 of stream 1.
+    chunk = torch.arange(7, 14) + 1000
+    replay.add_chunk(1, _records(0, 7).set("t", chunk))
+    batch, _ = replay.sample()
+    assert batch.get("t")[:2, 0].tolist() == [1006, 1009]  # fresh windows first, oldest first
+    # Windows queued, then overwritten (12 records per stream) before a batch took them: dropped.
+    replay.add_chunk(1, _records(0, 15).set("t", torch.arange(14, 29) + 1000))
+    taken = replay.online_sampled
+    batch, _ = replay.sample()
+    assert replay.online_sampled - taken == 3  # of 5 queued windows (ends 16, 19, 22, 25, 28), 3 still held
+    assert batch.get("t")[:3, 0].tolist() == [1018, 1021, 1024]
+    replay.close()

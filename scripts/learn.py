@@ -1,0 +1,124 @@
+"""Runs a set of training runs (tasks x seeds) within a time budget, several side by side; rerun to go on.
+
+    python scripts/learn.py --dir runs/learn-dmc --preset dmc_proprio --tasks walker_walk,cartpole_swingup \\
+        --seeds 0,1,2 --steps 100000 [--parallel 2] [--seconds 540] [OVERRIDE ...]
+
+Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
+`DIR/<task>-seed<seed>`, with the overrides given after the options. Up to `--parallel` runs go at once
+(two training processes on one H200 gave 1.44 x the updates of one); runs start in seed-major order, so
+that a partial set holds every task's first seed. At `--seconds` every run still going gets SIGINT: it
+finishes its update, saves a checkpoint with its replay and exits. Rerunning the same command resumes the
+unfinished runs from their checkpoints (the training command's own resume) and skips the finished ones,
+so a set longer than one 10-minute GPU command is a chain of such commands. No run is started with less
+than `--min-start` seconds left (its compile warm-up would be lost).
+
+Each start appends the code's commit to the run folder's `commit` (scripts/learning_report.py prints it)
+and its output to `DIR/logs/<task>-seed<seed>.log`. A line per run says where it stands at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def frames_reached(folder: Path) -> tuple[int, bool]:
+    """(env steps of the newest record, whether the run has finished: a final evaluation is recorded)."""
+    path = folder / "metrics.jsonl"
+    if not path.is_file():
+        return 0, False
+    steps, done = 0, False
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            steps = max(steps, record.get("env_steps", 0))
+            done = done or record.get("kind") == "final_eval"
+    return steps, done
+
+
+def commit() -> str:
+    found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return found.stdout.strip() if found.returncode == 0 else "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, required=True, help="the set's folder (one folder per run in it)")
+    parser.add_argument("--preset", required=True, help="+exp=PRESET of every run")
+    parser.add_argument("--tasks", required=True, help="comma-separated env.task values")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--steps", type=int, required=True, help="run.steps (env steps) of every run")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
+    parser.add_argument("--seconds", type=float, default=540, help="this command's budget; SIGINT to all at its end")
+    parser.add_argument("--min-start", type=float, default=150, help="no run starts with less time than this left")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("overrides", nargs="*", help="more overrides for every run (e.g. run.log_every=2000)")
+    args = parser.parse_args()
+    tasks = [t for t in args.tasks.split(",") if t]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not tasks or not seeds or args.parallel < 1 or args.steps < 1:
+        parser.error("give at least one task and one seed, --parallel >= 1 and --steps >= 1")
+    deadline = time.monotonic() + args.seconds
+    logs = args.dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    jobs = [(task, seed) for seed in seeds for task in tasks]
+    waiting = [job for job in jobs if not frames_reached(args.dir / f"{job[0]}-seed{job[1]}")[1]]
+    print(f"[learn] {len(jobs) - len(waiting)} of {len(jobs)} runs finished; {len(waiting)} to go, "
+          f"{args.parallel} at a time, {args.seconds:.0f} s", flush=True)
+    running: dict[tuple, subprocess.Popen] = {}
+    head = commit()
+    stopping = False
+    while waiting or running:
+        now = time.monotonic()
+        while waiting and len(running) < args.parallel and deadline - now > args.min_start and not stopping:
+            task, seed = waiting.pop(0)
+            folder = args.dir / f"{task}-seed{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with (folder / "commit").open("a") as handle:
+                handle.write(head + "\n")
+            steps, _ = frames_reached(folder)
+            command = [args.python, "-m", "dreamer.train", f"+exp={args.preset}", f"env.task={task}", f"seed={seed}",
+                       f"run.steps={args.steps}", f"hydra.run.dir={folder.resolve()}", *args.overrides]
+            print(f"[learn] {task} seed {seed}: {'resumes at ' + format(steps, ',') if steps else 'starts'}",
+                  flush=True)
+            log = (logs / f"{task}-seed{seed}.log").open("a")
+            running[(task, seed)] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            log.close()
+        if not running:
+            break  # too little time left to start another
+        if time.monotonic() >= deadline and not stopping:
+            stopping = True
+            for process in running.values():
+                process.send_signal(signal.SIGINT)  # it saves a checkpoint and exits
+            stopped_at = time.monotonic()
+        if stopping and time.monotonic() - stopped_at > 120:
+            for process in running.values():
+                process.kill()
+        for job, process in list(running.items()):
+            if process.poll() is not None:
+                del running[job]
+                steps, done = frames_reached(args.dir / f"{job[0]}-seed{job[1]}")
+                state = "finished" if done else ("stopped to resume" if process.returncode == 0 else
+                                                 f"exited with code {process.returncode} (see its log)")
+                print(f"[learn] {job[0]} seed {job[1]}: {state} at {steps:,} env steps", flush=True)
+        time.sleep(1)
+    finished = sum(frames_reached(args.dir / f"{task}-seed{seed}")[1] for task, seed in jobs)
+    print(f"[learn] {finished} of {len(jobs)} runs finished"
+          + ("" if finished == len(jobs) else "; run the same command again to go on"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

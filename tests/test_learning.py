@@ -1,0 +1,72 @@
+"""The learning set driver (scripts/learn.py) and the learning report (scripts/learning_report.py), on a real
+set of two tiny DeepMind Control runs (the smoke preset: a small model and short budgets, on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 400
+
+
+def _learn(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "scripts/learn.py", "--dir", str(folder), "--preset", "dmc_proprio", "--tasks",
+         "cartpole_balance", "--seeds", "0,1", "--steps", str(STEPS), "--parallel", "2", "--seconds", "900",
+         "--min-start", "10", "+debug=smoke", "run.log_every=100", "run.eval_every=200", "run.compile=false",
+         "logger.wandb=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("learn")
+    done = _learn(folder)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 of 2 runs finished" in done.stdout, done.stdout
+    return folder
+
+
+def test_the_driver_runs_each_task_and_seed_in_its_folder_and_a_rerun_starts_nothing(learned):
+    for seed in (0, 1):
+        folder = learned / f"cartpole_balance-seed{seed}"
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        assert records[-1]["kind"] == "final_eval" and records[-1]["env_steps"] >= STEPS
+        assert len((folder / "commit").read_text().split()) == 1
+    again = _learn(learned)
+    assert again.returncode == 0 and "2 of 2 runs finished; 0 to go" in again.stdout
+    assert "starts" not in again.stdout and "resumes" not in again.stdout
+
+
+def test_the_report_gives_each_seed_the_reference_and_a_plot(learned, tmp_path):
+    from dreamer.reference import load
+
+    out = tmp_path / "LEARNING.md"
+    made = subprocess.run([sys.executable, "scripts/learning_report.py", str(learned), "--out", str(out),
+                           "--frames", "200,400"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    text = out.read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| dmc cartpole_balance")]
+    assert [row[1] for row in rows] == ["0", "1"]
+    # The training return at 200 frames, interpolated from seed 0's own records.
+    records = [json.loads(line) for line in (learned / "cartpole_balance-seed0" / "metrics.jsonl").read_text().splitlines()]
+    points = sorted((r["frames"], r["episode/return"]) for r in records if "episode/return" in r)
+    expected = np.interp(200, [f for f, _ in points], [v for _, v in points])
+    assert rows[0][2] == f"{expected:,.0f}"
+    reference = load("dmc_proprio", "dmc_cartpole_balance")
+    mean, low, high = reference.at(200)
+    assert f"{mean:.0f} ({low:.0f}-{high:.0f})" in text
+    assert (tmp_path / "learning" / "dmc-cartpole_balance-proprio.png").stat().st_size > 10_000
+    assert "![dmc-cartpole_balance-proprio](learning/dmc-cartpole_balance-proprio.png)" in text
+
+
+def test_the_report_refuses_a_folder_without_runs_in_one_line(tmp_path):
+    made = subprocess.run([sys.executable, "scripts/learning_report.py", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 2 and made.stderr.count("\n") == 1 and "holds none" in made.stderr
