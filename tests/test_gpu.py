@@ -3,6 +3,8 @@ CUDA-graph inference server with its weight sync."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -125,12 +127,13 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
     layout, agent = _agent()
     device = torch.device("cuda:0")
     agent.networks.policy.to(device)
-    inference = Inference(agent.policy, layout, SIZE, clients=2, device=device, explore=True,
+    # 9 clients: graphs of 8 and 9 rows; one request replays the one of 8, its other rows stale.
+    inference = Inference(agent.policy, layout, SIZE, clients=9, device=device, explore=True,
                           process=process).start()
     try:
         if not process:  # our capture, replayed without a device-wide synchronize
             served = inference.server._cudagraph_model
-            assert isinstance(served, RowPass) and list(served.graphs) == [2]
+            assert isinstance(served, RowPass) and list(served.graphs) == [8, 9]
         request = _request(layout, 3)
 
         def direct_belief():
@@ -145,6 +148,22 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
         torch.testing.assert_close(client(request).get(("policy", "belief")), direct_belief(), rtol=1e-4, atol=1e-4)
         action = client(request).get(("policy", "action"))
         assert action.sum() == 1 and ((action == 0) | (action == 1)).all()
+        # All 9 at once, each its own request: whatever the passes' sizes, each answer is its own.
+        requests = [_request(layout, 10 + i) for i in range(9)]
+        answers = [None] * 9
+
+        def ask(i: int) -> None:
+            for _ in range(5):
+                answers[i] = inference.clients[i](requests[i]).get(("policy", "belief"))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(9)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        for i in range(9):
+            expected = agent.policy(requests[i].unsqueeze(0).to(device)).get(("policy", "belief"))[0].cpu()
+            torch.testing.assert_close(answers[i], expected, rtol=1e-4, atol=1e-4)
     finally:
         inference.close()
 

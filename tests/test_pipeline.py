@@ -96,6 +96,32 @@ def test_the_server_answers_like_the_policy_and_sees_new_weights_only_after_a_sy
         inference.close()
 
 
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_clients_asking_at_once_each_get_the_answer_to_their_own_request(process):
+    """Passes of several rows: every request's row is gathered, answered and scattered to its own slot."""
+    layout, agent = _agent()
+    inference = Inference(agent.policy, layout, SIZE, clients=5, device=torch.device("cpu"), explore=False,
+                          process=process, batch_wait=0).start()
+    try:
+        requests = [_request(layout, 20 + i) for i in range(5)]
+        answers: list = [None] * 5
+
+        def ask(i: int) -> None:
+            for _ in range(20):
+                answers[i] = inference.clients[i](requests[i]).get(("policy", "belief"))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for i in range(5):
+            torch.testing.assert_close(answers[i], _direct(agent, requests[i]).get("belief"), rtol=1e-5, atol=1e-5)
+        assert inference.stats()["inference/batch"] > 1  # some passes served more than one request
+    finally:
+        inference.close()
+
+
 def _receive_until(pool: WorkerPool, replay: Replay, condition, seconds: float = 180.0) -> list:
     chunks = []
     deadline = time.monotonic() + seconds
