@@ -17,6 +17,9 @@
 #   bash scripts/reproduce.sh pipeline-wait   # size200m, 64 workers at 50 ms: inference wait 2 ms, then 0
 #   bash scripts/reproduce.sh dmc-inline      # dmc_proprio size1m, 16 envs inline: the training command's
 #                                             # updates/s and learner busy, then bench_learner.py alone
+#   bash scripts/reproduce.sh dmc-sources     # the same training command with each experience source for 120 s:
+#                                             # inline, workers with the server in its process, in a thread;
+#                                             # then bench_learner.py alone
 #   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=minecraft env=emulated, 64 workers,
 #                                             # 6 minutes, then its figures (scripts/run_figures.py)
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
@@ -105,6 +108,19 @@ case "${1:-}" in
     $PY scripts/bench_learner.py --device cuda --model size1m --batch 16 --length 64 --obs vector \
       --variant ours --limit 180 --out "$OUT/dmc-inline-learner.jsonl"
     ;;
+  dmc-sources)
+    for source in inline workers-process workers-thread; do
+      args=(run.collect=inline)
+      [ "$source" != inline ] && args=(run.collect=workers "run.inference=${source#workers-}")
+      MUJOCO_GL=disabled timeout --foreground --signal=INT -k 30 120 $PY -m dreamer.train +exp=dmc_proprio \
+        model=size1m env.task=walker_walk "${args[@]}" run.log_every=2000 run.eval_every=0 run.eval_episodes=0 \
+        hydra.run.dir="$OUT/dmc-$source-run" > "$OUT/dmc-$source.log" 2>&1 || true
+      rm -rf "$OUT/dmc-$source-run/checkpoints"
+      $PY scripts/run_figures.py "$OUT/dmc-$source-run" --out "$OUT/dmc-sources.jsonl"
+    done
+    $PY scripts/bench_learner.py --device cuda --model size1m --batch 16 --length 64 --obs vector \
+      --variant ours --limit 100 --out "$OUT/dmc-sources-learner.jsonl"
+    ;;
   minecraft | minecraft-4gpu | minecraft-1gpu)
     # Collection fills 65,536 steps first (run.train_start), then trains; SIGINT at the end saves and stops.
     # --foreground: the signal goes to the trainer alone, which stops its workers itself.
@@ -140,7 +156,7 @@ case "${1:-}" in
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,25p' "$0"
+    sed -n '2,31p' "$0"
     exit 2
     ;;
 esac
