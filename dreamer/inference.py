@@ -186,7 +186,7 @@ class RowClient:
             raise self.errors.get()
         return self._out
 
-    def __call__(self, request: TensorDictBase, timeout: float | None = None) -> TensorDict:
+    def __call__(self, request: TensorDictBase) -> TensorDict:
         """The answer as a tensordict of its own (`policy`, `policy_version`)."""
         answer = TensorDict()
         for key, view in self.ask(request):
@@ -313,7 +313,6 @@ class RowPass:
         self.device_request = self.request_rows.allocate(slots, self.device) if cuda else self.host_request
         self.device_response = self.response_rows.allocate(slots, self.device) if cuda else self.host_response
         self.version = dict(self.response_rows.views(self.host_response))["policy_version"]
-        self.answer_keys = [key for key, *_ in self.response_rows.fields if key != "policy_version"]
         self.event = torch.cuda.Event() if cuda else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if cudagraph and cuda:
