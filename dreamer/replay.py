@@ -282,7 +282,8 @@ class Replay:
         context_dtype: torch.dtype = CONTEXT_DTYPE,
         online: bool = False,
     ):
-        """online: fresh windows first, each once, uniform otherwise (the module's docstring). prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
+        """online: fresh windows first, each once, uniform otherwise (the module's docstring).
+        prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
         stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
         context included: the reference that scripts/bench_replay.py measures ours against.
         directory: keep the records in memory-mapped files there (replay.storage=disk), for a replay
