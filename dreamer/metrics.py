@@ -57,8 +57,9 @@ class Rates:
     def __init__(self, env_steps: int, updates: int):
         self._last = (time.perf_counter(), env_steps, updates)
 
-    def __call__(self, env_steps: int, updates: int) -> tuple[float, float]:
-        now = time.perf_counter()
+    def __call__(self, env_steps: int, updates: int, now: float | None = None) -> tuple[float, float]:
+        """`now`: the perf_counter time at which the counters were read (default: this call's)."""
+        now = time.perf_counter() if now is None else now
         then, steps0, updates0 = self._last
         span = max(now - then, 1e-9)
         self._last = (now, env_steps, updates)
@@ -208,16 +209,21 @@ class Metrics:
                 self.task, completed=env_steps, fps=self.fps, ups=self.ups, ret=ret, eta=_eta(self.eta(env_steps))
             )
 
-    def write(self, record: dict, env_steps: int, updates: int, kind: str = "train") -> dict:
-        """Appends one record to metrics.jsonl (and wandb); prints it when there is no live line."""
+    def write(self, record: dict, env_steps: int, updates: int, kind: str = "train", at: float | None = None) -> dict:
+        """Appends one record to metrics.jsonl (and wandb); prints it when there is no live line.
+
+        `at`: the perf_counter time at which env_steps and updates were read, when the record is written
+        later (a train record waits for the learner's device values): its time and rates are of that moment.
+        """
+        at = time.perf_counter() if at is None else at
         if kind == "train":
-            self.fps, self.ups = self.rates(env_steps, updates)
+            self.fps, self.ups = self.rates(env_steps, updates, at)
         record = {
             "kind": kind,
             "env_steps": env_steps,
             "frames": env_steps * self.frames_per_step,
             "updates": updates,
-            "time": round(time.perf_counter() - self.start, 3),
+            "time": round(at - self.start, 3),
             **({"env_steps_per_s": self.fps, "updates_per_s": self.ups} if kind == "train" else {}),
             **record,
         }

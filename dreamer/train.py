@@ -242,7 +242,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                       # queued on the device count in the next one)
                       "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9), **source.stats()}
             logged_at = now
-            pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates))
+            pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates,
+                            time.perf_counter()))
             window.clear()
         while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
             write_pending()
@@ -258,8 +259,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     pending: list = []  # metrics records waiting for the learner's device values
 
     def write_pending() -> None:
-        read, record, env_steps, updates = pending.pop(0)
-        metrics.write({**read.result(), **record}, env_steps, updates)
+        read, record, env_steps, updates, at = pending.pop(0)
+        metrics.write({**read.result(), **record}, env_steps, updates, at=at)
 
     try:
         with checkpoint.GracefulStop() as stop:

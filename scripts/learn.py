@@ -12,8 +12,9 @@ unfinished runs from their checkpoints (the training command's own resume) and s
 so a set longer than one 10-minute GPU command is a chain of such commands. No run is started with less
 than `--min-start` seconds left (its compile warm-up would be lost).
 
-Each start appends the code's commit to the run folder's `commit` (scripts/learning_report.py prints it)
-and its output to `DIR/logs/<task>-seed<seed>.log`. A line per run says where it stands at the end.
+Each start appends the code's commit (DREAMER_COMMIT if set, else git's HEAD) to the run folder's `commit`
+(scripts/learning_report.py prints it) and its output to `DIR/logs/<task>-seed<seed>.log`. A line per run
+says where it stands at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def frames_reached(folder: Path) -> tuple[int, bool]:
 
 
 def commit() -> str:
+    """The code's commit: DREAMER_COMMIT where the tree was copied without its git history, else git's HEAD."""
+    if os.environ.get("DREAMER_COMMIT"):
+        return os.environ["DREAMER_COMMIT"]
     found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     return found.stdout.strip() if found.returncode == 0 else "unknown"
 

@@ -109,10 +109,11 @@ case "${1:-}" in
       --variant ours --limit 180 --out "$OUT/dmc-inline-learner.jsonl"
     ;;
   dmc-sources)
-    for source in inline workers-process workers-thread; do
+    # DMC_SOURCES and DMC_SECONDS override the sources and each one's seconds (compile warm-up included).
+    for source in ${DMC_SOURCES:-inline workers-process workers-thread}; do
       args=(run.collect=inline)
       [ "$source" != inline ] && args=(run.collect=workers "run.inference=${source#workers-}")
-      MUJOCO_GL=disabled timeout --foreground --signal=INT -k 30 120 $PY -m dreamer.train +exp=dmc_proprio \
+      MUJOCO_GL=disabled timeout --foreground --signal=INT -k 30 "${DMC_SECONDS:-120}" $PY -m dreamer.train +exp=dmc_proprio \
         model=size1m env.task=walker_walk "${args[@]}" run.log_every=2000 run.eval_every=0 run.eval_episodes=0 \
         hydra.run.dir="$OUT/dmc-$source-run" > "$OUT/dmc-$source.log" 2>&1 || true
       rm -rf "$OUT/dmc-$source-run/checkpoints"

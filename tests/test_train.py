@@ -155,3 +155,21 @@ def test_ten_failures_in_a_row_stop_the_run_with_a_checkpoint(workdir):
     assert len(lines) == 1 and re.search(r"emulated env [01] failed 10 times in a row", lines[0])
     assert "injected fault" in lines[0] and "checkpoint saved at" in lines[0]
     assert _checkpoints(workdir / "runs" / "broken")
+
+
+def test_a_record_written_after_its_counters_were_read_has_the_rates_and_time_of_that_reading(tmp_path):
+    """A train record waits for the learner's device values, so it is written later than its counters
+    were read, and sometimes two at once: its rates and time are those of the reading."""
+    import io
+
+    from rich.console import Console
+
+    from dreamer.metrics import Metrics
+
+    metrics = Metrics(tmp_path, 1000, console=Console(file=io.StringIO()))
+    read = metrics.start + 2.0
+    metrics.write({}, 100, 50, at=read)
+    metrics.write({}, 300, 150, at=read + 4.0)  # written a moment after the first, read 4 s later
+    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+    assert first["time"] == pytest.approx(2.0, abs=0.01) and second["time"] == pytest.approx(6.0, abs=0.01)
+    assert second["env_steps_per_s"] == pytest.approx(50.0) and second["updates_per_s"] == pytest.approx(25.0)
