@@ -84,6 +84,7 @@ class Settings:
     loss: LossSettings
     optimizer: OptimizerSettings
     updates_per_step: float  # train_ratio / (batch_size * batch_length)
+    collect: str = "inline"  # run.collect resolved: inline or workers
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -148,7 +149,7 @@ RANGES = (
         "deter", "hidden", "stoch", "classes", "depth", "units", "blocks", "enc_layers", "dec_layers",
         "head_layers", "actor_layers", "critic_layers", "imag_layers", "obs_layers", "dyn_layers", "kernel")),
 )
-CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers"),
+CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "auto"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True)}
@@ -246,6 +247,10 @@ def validate(cfg: DictConfig) -> Settings:
         loss=_settings(LossSettings, "loss", cfg),
         optimizer=_settings(OptimizerSettings, "optimizer", cfg),
         updates_per_step=cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length),
+        # auto: workers on a CUDA learner, where the envs' Python in processes of their own kept the learner
+        # busier than the inline source's step thread sharing the trainer's interpreter lock (dmc_proprio:
+        # 0.99 against 0.92, BENCHMARKS.md); inline on CPU, where there is no device work to overlap.
+        collect=("workers" if cuda else "inline") if cfg.run.collect == "auto" else cfg.run.collect,
     )
 
 
@@ -254,7 +259,7 @@ def describe(settings: Settings) -> str:
     if settings.cudagraph:
         step += " + CUDA graph"
     precision = "bf16" if settings.bf16 else "fp32"
-    return f"learner {step}, {precision}; {settings.topology.describe()}"
+    return f"learner {step}, {precision}; {settings.collect} collection; {settings.topology.describe()}"
 
 
 def set_threads(threads, learner: torch.device) -> None:

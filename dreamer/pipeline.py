@@ -7,6 +7,7 @@ ended; it acts with a policy whose weights it refreshes from the learner's. Two 
   call per step of all of them.
 - `WorkerSource` (`run.collect=workers`): one env per worker process (`dreamer.workers`), acting through
   the batched inference server (`dreamer.inference`); an ingest thread adds their chunks to replay.
+  `run.collect=auto` is this one on a CUDA learner, the inline one on CPU (`dreamer.config.Settings`).
 
 Both act with a copy of the policy's weights, refreshed every `run.sync_every` updates without the
 learner waiting (`dreamer.inference.WeightSync`), so acting never waits for the updates queued on the
@@ -315,10 +316,10 @@ class WorkerSource(Source):
 
 
 def make_source(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, topology, cudagraph: bool,
-                replay) -> Source:
-    """The source `run.collect` names: inline on the learner's device, or workers with the server on the
-    inference device."""
-    if cfg.run.collect == "workers":
+                replay, collect: str) -> Source:
+    """The source `collect` names (`run.collect` resolved, `dreamer.config.Settings`): inline on the
+    learner's device, or workers with the server on the inference device."""
+    if collect == "workers":
         return WorkerSource(cfg, policy, layout, size, topology.inference, cudagraph, replay)
     return InlineSource(cfg, policy, layout, size, topology.learner, cudagraph, replay)
 

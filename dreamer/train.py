@@ -164,7 +164,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         replay.generator.set_state(state["replay_rng"])
         restored = checkpointer.restore(state.get("replay"), path)
     # After the resumed weights are in: an inline source on CUDA acts with a copy of them.
-    source = make_source(cfg, agent.policy, layout, settings.size, settings.topology, settings.cudagraph, replay)
+    source = make_source(cfg, agent.policy, layout, settings.size, settings.topology, settings.cudagraph, replay,
+                         settings.collect)
     # The start has succeeded: from here on the run folder is written.
     if accepted:
         print(f"dreamer: continuing {run_dir} with changed settings: {'; '.join(accepted)}", flush=True)

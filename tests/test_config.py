@@ -117,7 +117,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
 @pytest.mark.parametrize("key, value, words", [
     ("model.mults", [2, 0], "model.mults must be a list of positive integers"),
     ("run.eval_video", "yes", "run.eval_video must be true or false"),
-    ("run.collect", "threads", "run.collect must be inline or workers, got 'threads'"),
+    ("run.collect", "threads", "run.collect must be inline, workers or auto, got 'threads'"),
     ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are entropy, "),
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
 ])
@@ -180,3 +180,19 @@ def test_frames_are_env_steps_times_the_action_repeat():
     assert frames_per_step(_compose(["+exp=atari100k"]).env) == 4
     assert frames_per_step(_compose(["+exp=crafter"]).env) == 1
     assert frames_per_step(_compose([]).env) == 1
+
+
+@pytest.mark.parametrize("gpus, chosen, resolved", [
+    (0, "auto", "inline"), (1, "auto", "workers"), (1, "inline", "inline"), (0, "workers", "workers")])
+def test_run_collect_auto_is_workers_on_a_cuda_learner_and_inline_on_cpu(monkeypatch, gpus, chosen, resolved):
+    """dmc_proprio collects with `auto`; the GPU count is what the topology sees (no GPU is used here)."""
+    import dreamer.topology
+    from dreamer.config import describe, validate
+
+    monkeypatch.setattr(dreamer.topology, "visible_gpus", lambda: gpus)
+    cfg = _compose(["+exp=dmc_proprio", f"run.collect={chosen}"])
+    with open_dict(cfg):
+        del cfg.run["dir"]
+    assert _compose(["+exp=dmc_proprio"]).run.collect == "auto"
+    settings = validate(cfg)
+    assert settings.collect == resolved and f"{resolved} collection" in describe(settings)
