@@ -2,6 +2,10 @@
 
 The console line (rich) shows env steps, env steps/s, updates/s, the last episode return and the ETA.
 When stdout is not a terminal (CI, a log file) the same fields are printed as one plain line per record.
+
+The line's rates are those of the last `window` seconds, refreshed at every pass of the loop; the ETA
+divides the steps left by the rate since training began (the replay's prefill, much faster, apart), and
+reads --:-- until then. A record's rates are those of its own span (since the previous record).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import os
 import secrets
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -54,8 +60,8 @@ def summarize_episodes(episodes: list) -> dict[str, float]:
 class Rates:
     """env steps/s and updates/s over the span since the previous call."""
 
-    def __init__(self, env_steps: int, updates: int):
-        self._last = (time.perf_counter(), env_steps, updates)
+    def __init__(self, env_steps: int, updates: int, now: float | None = None):
+        self._last = (time.perf_counter() if now is None else now, env_steps, updates)
 
     def __call__(self, env_steps: int, updates: int, now: float | None = None) -> tuple[float, float]:
         """`now`: the perf_counter time at which the counters were read (default: this call's)."""
@@ -161,14 +167,19 @@ class Metrics:
         config: dict | None = None,
         console: Console | None = None,
         frames_per_step: int = 1,
+        clock: Callable[[], float] = time.perf_counter,
+        window: float = 30.0,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.frames_per_step = frames_per_step  # frames = env steps x action repeat, as the reference counts
         self.total = total_steps
         self.console = console or Console()
-        self.start = time.perf_counter()
-        self.rates = Rates(start_steps, start_updates)
-        self._overall = (time.perf_counter(), start_steps)
+        self.clock, self.window = clock, window
+        self.start = clock()
+        self.rates = Rates(start_steps, start_updates, self.start)
+        self._recent = deque([(self.start, start_steps, start_updates)])  # the live line's samples
+        self._start_updates = start_updates
+        self._training_from: tuple[float, int] | None = None  # (time, env steps) when updates began
         self.last_return: float | None = None
         self.fps = 0.0
         self.ups = 0.0
@@ -194,15 +205,35 @@ class Metrics:
             self.progress.start()
 
     def eta(self, env_steps: int) -> float:
-        then, steps0 = self._overall
-        rate = (env_steps - steps0) / max(time.perf_counter() - then, 1e-9)
-        return max(self.total - env_steps, 0) / rate if rate > 0 else math.inf
+        """Seconds left at the rate since training began; inf before (or too early to tell: 5 s)."""
+        if self._training_from is None:
+            return math.inf
+        then, steps0 = self._training_from
+        seconds = self.clock() - then
+        if seconds < 5.0 or env_steps <= steps0:
+            return math.inf
+        return max(self.total - env_steps, 0) / ((env_steps - steps0) / seconds)
 
     def episode(self, score: float) -> None:
         self.last_return = score
 
-    def tick(self, env_steps: int) -> None:
-        """Refreshes the live line (cheap; rich redraws at its own rate)."""
+    def _sample(self, env_steps: int, updates: int) -> None:
+        """Adds a reading to the live line's window; the first reading with a new update starts training."""
+        now = self.clock()
+        if self._training_from is None and updates > self._start_updates:
+            self._training_from = (now, env_steps)
+        self._recent.append((now, env_steps, updates))
+        while len(self._recent) > 2 and now - self._recent[1][0] >= self.window:
+            self._recent.popleft()  # the oldest kept is the last one at least `window` old
+        then, steps0, updates0 = self._recent[0]
+        if now - then >= 1.0:
+            self.fps, self.ups = (env_steps - steps0) / (now - then), (updates - updates0) / (now - then)
+
+    def tick(self, env_steps: int, updates: int | None = None) -> None:
+        """Takes a reading of the counters (with `updates`) and refreshes the live line (cheap; rich
+        redraws at its own rate)."""
+        if updates is not None:
+            self._sample(env_steps, updates)
         if self.progress is not None:
             ret = "-" if self.last_return is None else f"{self.last_return:.1f}"
             self.progress.update(
@@ -215,16 +246,17 @@ class Metrics:
         `at`: the perf_counter time at which env_steps and updates were read, when the record is written
         later (a train record waits for the learner's device values): its time and rates are of that moment.
         """
-        at = time.perf_counter() if at is None else at
-        if kind == "train":
-            self.fps, self.ups = self.rates(env_steps, updates, at)
+        at = self.clock() if at is None else at
+        rates = self.rates(env_steps, updates, at) if kind == "train" else None
+        if rates and self.progress is None:
+            self.fps, self.ups = rates  # no live window: the plain line shows the record's span
         record = {
             "kind": kind,
             "env_steps": env_steps,
             "frames": env_steps * self.frames_per_step,
             "updates": updates,
             "time": round(at - self.start, 3),
-            **({"env_steps_per_s": self.fps, "updates_per_s": self.ups} if kind == "train" else {}),
+            **({"env_steps_per_s": rates[0], "updates_per_s": rates[1]} if rates else {}),
             **record,
         }
         with self.path.open("a") as handle:
@@ -257,8 +289,8 @@ class Metrics:
             parts += [f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                       for k, v in record.items() if k not in ("kind", "env_steps", "frames", "updates", "time")]
         line = "  ".join(parts)
-        if self.progress is not None:
-            self.progress.console.print(line)
+        if self.progress is not None:  # plain text: "[eval]" is not rich markup
+            self.progress.console.print(line, markup=False, highlight=False)
         else:
             print(line, flush=True)
 
@@ -267,3 +299,67 @@ class Metrics:
             self.progress.stop()
         if self.sink is not None:
             self.sink.close()
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The records of a run folder's metrics.jsonl (none when it has none); a torn last line is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a run killed in the middle of a write
+                continue
+    return records
+
+
+def elapsed(records: list[dict]) -> list[float]:
+    """Each record's wall-clock seconds since the run began, summed over its commands: a record's `time`
+    starts again at each resumed command."""
+    total, offset, last = [], 0.0, 0.0
+    for record in records:
+        if record["time"] < last:
+            offset += last
+        last = record["time"]
+        total.append(offset + last)
+    return total
+
+
+def run_summary(run_dir: Path, total_steps: int, ending: str) -> str:
+    """The closing block of a run: what was trained and how far (`ending` says how it ended), the
+    wall-clock, the final evaluation (or the last one, and the last training return), the command and
+    the folder. Read from the run folder, so an interrupted or resumed run reads the same."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    records = read_records(run_dir)
+    config, overrides = {}, []
+    if (run_dir / "config.yaml").is_file():
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    if (run_dir / "overrides.yaml").is_file():
+        overrides = yaml.safe_load((run_dir / "overrides.yaml").read_text()) or []
+    name = (config.get("run") or {}).get("name") or run_dir.name
+    last = records[-1] if records else {"env_steps": 0, "updates": 0}
+    frames = last.get("frames", last["env_steps"])
+    commands = 1 + sum(1 for a, b in zip(records, records[1:]) if b["time"] < a["time"])
+    wall = elapsed(records)[-1] if records else 0.0
+    lines = [f"run {name} {ending}: {last['env_steps']:,} of {total_steps:,} env steps"
+             + (f" ({frames:,} frames)" if frames != last["env_steps"] else "")
+             + f", {last['updates']:,} updates, {_eta(wall)} of wall-clock"
+             + (f" over {commands} commands" if commands > 1 else "")]
+    final = [r for r in records if r["kind"] == "final_eval" and "eval/return_mean" in r]
+    evals = [r for r in records if r["kind"] == "eval" and "eval/return_mean" in r]
+    shown = final[-1] if final else evals[-1] if evals else None
+    if shown is not None:
+        label = "final evaluation" if final else f"last evaluation (at {shown['env_steps']:,} env steps)"
+        lines.append(f"  {label}: return {shown['eval/return_mean']:.2f} mean, {shown['eval/return_min']:.2f} min, "
+                     f"{shown['eval/return_max']:.2f} max over {shown['eval/episodes']} episodes")
+    else:
+        lines.append("  no evaluation recorded")
+    returns = [r["episode/return"] for r in records if r["kind"] == "train" and "episode/return" in r]
+    if returns:
+        lines.append(f"  training return (the last record's episodes): {returns[-1]:.2f}")
+    lines.append(f"  command: python -m dreamer.train {' '.join(overrides)}".rstrip())
+    lines.append(f"  folder: {run_dir}")
+    return "\n".join(f"dreamer: {line}" for line in lines)

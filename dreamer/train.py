@@ -23,7 +23,7 @@ from dreamer.envs import frames_per_step, make_env
 from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
 from dreamer.inference import request_spec
 from dreamer.learner import Learner
-from dreamer.metrics import Metrics, summarize_episodes
+from dreamer.metrics import Metrics, read_records, run_summary, summarize_episodes
 from dreamer.pipeline import Updates, make_source
 from dreamer.replay import Replay, available_memory, record_bytes
 
@@ -106,21 +106,12 @@ def _overrides() -> list[str] | None:
 
 
 def _finished(run_dir: Path, counters: dict, steps: int, eval_episodes: int) -> str | None:
-    """The result line of a run that has already done everything asked of it; None if work is left."""
-    import json
-
+    """The closing summary of a run that has already done everything asked of it; None if work is left."""
     if counters["env_steps"] < steps:
         return None
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    final = [r for r in records if r.get("kind") == "final_eval"]
-    if eval_episodes and not final:
+    if eval_episodes and not any(r["kind"] == "final_eval" for r in read_records(run_dir)):
         return None  # stopped during its final evaluation: run it
-    result = (f"final evaluation: mean return {final[-1]['eval/return_mean']:.2f} over "
-              f"{final[-1]['eval/episodes']} episodes" if final and "eval/return_mean" in final[-1]
-              else "no final evaluation (run.eval_episodes=0)")
-    return (f"dreamer: {run_dir} already finished at {counters['env_steps']:,} env steps; {result}. "
-            f"Raise run.steps to train further")
+    return run_summary(run_dir, steps, "already finished (raise run.steps to train further)")
 
 
 def _train(cfg: DictConfig, run_dir: Path) -> None:
@@ -235,7 +226,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         updates.owe(steps)
         updates.run(stop=lambda: bool(stop))  # a stop keeps the rest owed, in the checkpoint
 
-        metrics.tick(counters["env_steps"])
+        metrics.tick(counters["env_steps"], learner.updates)
         if should_log(counters["env_steps"]):
             now = time.monotonic()
             record = {**summarize_episodes(window), "env/restarts": source.restarts,
@@ -277,11 +268,15 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             save()
             if stop:
                 print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
-            elif cfg.run.eval_episodes:
-                run_eval("final_eval")
+                ending = f"stopped by {stop.requested} (the same command continues it)"
+            else:
+                if cfg.run.eval_episodes:
+                    run_eval("final_eval")
+                ending = "finished"
     finally:  # also when the run stops with an error: no worker process or server thread outlives it
         for part in (source, metrics, checkpointer, replay, evaluator):
             part.close()
+    print(run_summary(run_dir, cfg.run.steps, ending), flush=True)
 
 
 def check_run_folder(argv: list[str]) -> None:

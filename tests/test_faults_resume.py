@@ -273,8 +273,9 @@ def test_a_finished_run_says_so_and_evaluates_nothing_again(workdir):
     assert run_train(args, workdir).returncode == 0
     finals = [r for r in _records(run) if r["kind"] == "final_eval"]
     result = run_train(args, workdir, timeout=120)
-    assert result.returncode == 0 and "already finished at 128 env steps" in result.stdout
-    assert f"mean return {finals[0]['eval/return_mean']:.2f}" in result.stdout
+    assert result.returncode == 0 and "run done already finished" in result.stdout
+    assert "128 of 128 env steps" in result.stdout and f"folder: {run}" in result.stdout
+    assert f"final evaluation: return {finals[0]['eval/return_mean']:.2f} mean" in result.stdout
     assert [r for r in _records(run) if r["kind"] == "final_eval"] == finals
 
 

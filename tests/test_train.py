@@ -173,3 +173,68 @@ def test_a_record_written_after_its_counters_were_read_has_the_rates_and_time_of
     first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
     assert first["time"] == pytest.approx(2.0, abs=0.01) and second["time"] == pytest.approx(6.0, abs=0.01)
     assert second["env_steps_per_s"] == pytest.approx(50.0) and second["updates_per_s"] == pytest.approx(25.0)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_live_line_follows_the_recent_rate_and_the_eta_leaves_the_prefill_out(tmp_path):
+    """On a fake terminal and a fake clock: the replay's prefill runs at 500 env steps/s, then training at
+    10. The live line's rate follows the last 30 s; the ETA reads --:-- during the prefill and then uses
+    the training rate alone (from the start it said 00:10 at step 501 of a run with 5:30 left)."""
+    import io
+
+    from rich.console import Console
+
+    from dreamer.metrics import Metrics
+
+    clock = _Clock()
+    metrics = Metrics(tmp_path, 10_000, console=Console(file=io.StringIO(), force_terminal=True, width=200),
+                      clock=clock, window=30.0)
+    try:
+        for i in range(1, 21):  # prefill: 1,000 env steps in 2 s, no update
+            clock.now += 0.1
+            metrics.tick(50 * i, 0)
+        assert metrics.eta(1000) == float("inf") and metrics.fps == pytest.approx(500.0)
+        for i in range(1, 601):  # training: 10 env steps and 10 updates per second for 60 s
+            clock.now += 0.1
+            metrics.tick(1000 + i, i)
+        assert metrics.fps == pytest.approx(10.0, rel=0.02) and metrics.ups == pytest.approx(10.0, rel=0.02)
+        assert metrics.eta(1600) == pytest.approx((10_000 - 1600) / 10.0, rel=0.02)
+        for i in range(1, 401):  # slower: 5 env steps/s for 40 s; the line follows within its window
+            clock.now += 0.2
+            metrics.tick(1600 + i, 600 + i)
+        assert metrics.fps == pytest.approx(5.0, rel=0.05)
+    finally:
+        metrics.close()
+
+
+def test_records_keep_their_brackets_on_a_terminal_and_a_run_ends_with_its_summary(tmp_path):
+    """rich reads "[eval]" as markup unless told not to; the summary block is read from the run folder."""
+    import io
+
+    from rich.console import Console
+
+    from dreamer.metrics import Metrics, run_summary
+
+    out = io.StringIO()
+    clock = _Clock()
+    metrics = Metrics(tmp_path, 200, console=Console(file=out, force_terminal=True, width=200), clock=clock)
+    clock.now += 10.0
+    metrics.write({"episode/return": 3.5}, 100, 25, at=clock.now)
+    clock.now += 10.0
+    metrics.write({"eval/return_mean": 12.25, "eval/return_min": 10.0, "eval/return_max": 14.5, "eval/episodes": 4},
+                  200, 50, kind="final_eval")
+    metrics.close()
+    assert "[final_eval]" in out.getvalue()
+    (tmp_path / "overrides.yaml").write_text("- +exp=cartpole\n- seed=3\n")
+    text = run_summary(tmp_path, 200, "finished")
+    assert f"run {tmp_path.name} finished: 200 of 200 env steps, 50 updates, 00:20 of wall-clock" in text
+    assert "final evaluation: return 12.25 mean, 10.00 min, 14.50 max over 4 episodes" in text
+    assert "training return (the last record's episodes): 3.50" in text
+    assert "command: python -m dreamer.train +exp=cartpole seed=3" in text and f"folder: {tmp_path}" in text
