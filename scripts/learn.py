@@ -1,11 +1,12 @@
-"""Runs a set of training runs (tasks x seeds) within a time budget, several side by side; rerun to go on.
+"""Runs a set of training runs (tasks x seeds) within a time budget, one or more at once; rerun to go on.
 
     python scripts/learn.py --dir runs/learn-dmc --preset dmc_proprio --tasks walker_walk,cartpole_swingup \\
-        --seeds 0,1,2 --steps 100000 [--parallel 2] [--seconds 540] [OVERRIDE ...]
+        --seeds 0,1,2 --steps 100000 [--parallel 1] [--seconds 540] [OVERRIDE ...]
 
 Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
 `DIR/<task>-seed<seed>`, with the overrides given after the options. Up to `--parallel` runs go at once
-(two training processes on one H200 gave 1.44 x the updates of one); runs start in seed-major order, so
+(on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by side made 122 updates/s
+together against 134 for one alone, BENCHMARKS.md); runs start in seed-major order, so
 that a partial set holds every task's first seed. At `--seconds` every run still going gets SIGINT: it
 finishes its update, saves a checkpoint with its replay and exits. Rerunning the same command resumes the
 unfinished runs from their checkpoints (the training command's own resume) and skips the finished ones,
@@ -60,7 +61,7 @@ def main() -> int:
     parser.add_argument("--tasks", required=True, help="comma-separated env.task values")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     parser.add_argument("--steps", type=int, required=True, help="run.steps (env steps) of every run")
-    parser.add_argument("--parallel", type=int, default=2, help="runs at once")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("--seconds", type=float, default=540, help="this command's budget; SIGINT to all at its end")
     parser.add_argument("--min-start", type=float, default=150, help="no run starts with less time than this left")
     parser.add_argument("--python", default=sys.executable)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plot import draw, load_run, run_folders  # noqa: E402
 
+from dreamer.metrics import elapsed  # noqa: E402
 from dreamer.reference import curve  # noqa: E402
 
 TRAIN, EVAL = "episode/return", "eval/return_mean"
@@ -81,12 +82,7 @@ def load(folder: Path) -> Run:
         evals = load_run(folder, EVAL)[2:]
     except ValueError:  # the run did not evaluate
         pass
-    wall, offset, last = [], 0.0, 0.0
-    for record in records:  # `time` starts again at each resumed command
-        if record["time"] < last:
-            offset += last
-        last = record["time"]
-        wall.append((record.get("frames", record["env_steps"]), offset + last))
+    wall = [(record.get("frames", record["env_steps"]), seconds) for record, seconds in zip(records, elapsed(records))]
     rates = [r["updates_per_s"] for r in records if r["kind"] == "train" and r.get("updates_per_s")]
     commit_file = folder / "commit"
     commits = list(dict.fromkeys(commit_file.read_text().split())) if commit_file.is_file() else []

@@ -26,7 +26,7 @@
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio, 6 tasks x 3 seeds to 100K frames,
-#                                             # 2 runs side by side, 9 minutes per command: rerun until it says
+#                                             # one run at a time, 9 minutes per command: rerun until it says
 #                                             # all runs finished, then LEARNING.md (scripts/learning_report.py)
 #   bash scripts/reproduce.sh learn-smoke     # the same chain on the CPU in minutes: 1 task x 3 seeds, smoke size
 #
@@ -147,7 +147,7 @@ case "${1:-}" in
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
-      --parallel "${LEARN_PARALLEL:-2}" "${set_args[@]}" | tee -a "$OUT/$1.log"
+      --parallel "${LEARN_PARALLEL:-1}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
       $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
     fi
