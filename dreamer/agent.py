@@ -132,6 +132,16 @@ class EnvLayout:
         return cls(tuple(vector_keys), vector_dim, image_shape, int(action_spec.shape[-1]), discrete,
                    tuple(vector_sizes))
 
+    def describe(self) -> str:
+        """In words: e.g. "image 3 x 64 x 64 and a vector of 24; 6 continuous actions"."""
+        seen = []
+        if self.image_shape is not None:
+            seen.append("image " + " x ".join(str(n) for n in self.image_shape))
+        if self.vector_keys:
+            seen.append(f"a vector of {self.vector_dim}")
+        kind = "discrete" if self.discrete else "continuous"
+        return f"{' and '.join(seen)}; {self.action_dim} {kind} action{'s' if self.action_dim > 1 else ''}"
+
 
 class Encoder(nn.Module):
     """Symlog MLP for the vector observations and the DreamerV3 CNN for the image; embeddings concatenated."""

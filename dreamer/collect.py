@@ -179,7 +179,8 @@ class Collector:
             for key in state.keys():
                 if isinstance(key, str) and key.startswith(LOG_PREFIX):
                     stats[key[len(LOG_PREFIX):]] = float(state.get(key).float().mean())
-        episode = Episode(index, self.scores[index], self.lengths[index], self.faulted[index], stats)
+        # The length counts agent steps: the episode's records less its first (the reset's observation).
+        episode = Episode(index, self.scores[index], max(self.lengths[index] - 1, 0), self.faulted[index], stats)
         self.scores[index], self.lengths[index], self.faulted[index] = 0.0, 0, False
         return episode
 

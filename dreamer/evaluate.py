@@ -80,6 +80,17 @@ def open_loop(networks, records: list, context: int = 5, horizon: int = 45) -> l
     return frames
 
 
+def missing_video_support() -> str | None:
+    """None when MP4s can be written; else what is missing and how to install it, in one line."""
+    import importlib.util
+
+    missing = [name for name in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"{' and '.join(name.replace('_', '-') for name in missing)} not installed: evaluation videos are "
+            f"off (pip install -e '.[media]' for them, or run.eval_video=false to say so)")
+
+
 def write_video(path: Path, frames: list[torch.Tensor], fps: int = 30) -> None:
     import imageio.v2 as imageio
 

@@ -24,7 +24,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 
-def _eta(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """H:MM:SS or MM:SS; --:-- for a time not known (inf)."""
     if not math.isfinite(seconds):
         return "--:--"
     seconds = int(seconds)
@@ -237,7 +238,7 @@ class Metrics:
         if self.progress is not None:
             ret = "-" if self.last_return is None else f"{self.last_return:.1f}"
             self.progress.update(
-                self.task, completed=env_steps, fps=self.fps, ups=self.ups, ret=ret, eta=_eta(self.eta(env_steps))
+                self.task, completed=env_steps, fps=self.fps, ups=self.ups, ret=ret, eta=duration(self.eta(env_steps))
             )
 
     def write(self, record: dict, env_steps: int, updates: int, kind: str = "train", at: float | None = None) -> dict:
@@ -283,7 +284,7 @@ class Metrics:
                 f"{record['env_steps_per_s']:,.0f} steps/s",
                 f"{record['updates_per_s']:.2f} updates/s",
                 f"return {ret}",
-                f"ETA {_eta(self.eta(record['env_steps']))}",
+                f"ETA {duration(self.eta(record['env_steps']))}",
             ]
         else:
             parts += [f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
@@ -346,7 +347,7 @@ def run_summary(run_dir: Path, total_steps: int, ending: str) -> str:
     wall = elapsed(records)[-1] if records else 0.0
     lines = [f"run {name} {ending}: {last['env_steps']:,} of {total_steps:,} env steps"
              + (f" ({frames:,} frames)" if frames != last["env_steps"] else "")
-             + f", {last['updates']:,} updates, {_eta(wall)} of wall-clock"
+             + f", {last['updates']:,} updates, {duration(wall)} of wall-clock"
              + (f" over {commands} commands" if commands > 1 else "")]
     final = [r for r in records if r["kind"] == "final_eval" and "eval/return_mean" in r]
     evals = [r for r in records if r["kind"] == "eval" and "eval/return_mean" in r]
@@ -363,3 +364,16 @@ def run_summary(run_dir: Path, total_steps: int, ending: str) -> str:
     lines.append(f"  command: python -m dreamer.train {' '.join(overrides)}".rstrip())
     lines.append(f"  folder: {run_dir}")
     return "\n".join(f"dreamer: {line}" for line in lines)
+
+
+def training_rates(records: list[dict]) -> tuple[float, float] | None:
+    """(env steps/s, updates/s) of the training phase: from the first train record with updates to the
+    last one, in wall-clock summed over resumed commands (evaluations and checkpoints inside it count, the
+    replay's prefill does not). None when the run has not trained over two records yet."""
+    train = [(record, seconds) for record, seconds in zip(records, elapsed(records))
+             if record.get("kind") == "train" and record.get("updates", 0) > 0]
+    if len(train) < 2 or train[-1][1] <= train[0][1]:
+        return None
+    (first, start), (last, end) = train[0], train[-1]
+    seconds = end - start
+    return (last["env_steps"] - first["env_steps"]) / seconds, (last["updates"] - first["updates"]) / seconds

@@ -20,7 +20,7 @@ from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError, Collector
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import frames_per_step, make_env
-from dreamer.evaluate import evaluate, run_with_frames, summarize, write_videos
+from dreamer.evaluate import evaluate, missing_video_support, run_with_frames, summarize, write_videos
 from dreamer.inference import request_spec
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, read_records, run_summary, summarize_episodes
@@ -169,14 +169,20 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
               + (f" ({dropped} metrics records newer than the checkpoint dropped)" if dropped else ""), flush=True)
     elif (run_dir / "metrics.jsonl").is_file():  # a run that never saved a checkpoint: its records are set aside
         (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    print(f"dreamer: {layout}; {agent.networks.parameter_count():,} parameters", flush=True)
+    print(f"dreamer: {cfg.env.suite} {cfg.env.task}, {cfg.run.envs} envs: {layout.describe()}; model "
+          f"{cfg.model.name}, {agent.networks.parameter_count():,} parameters", flush=True)
+
+    with_videos = bool(cfg.run.eval_video and layout.image_shape is not None and cfg.run.eval_episodes)
+    if with_videos and (missing := missing_video_support()):  # found now, not at the first evaluation
+        print(f"dreamer: warning: {missing}", flush=True)
+        with_videos = False
 
     def stopped() -> bool:  # a SIGINT / SIGTERM also ends an evaluation early
         return bool(stop)
 
     def run_eval(kind: str) -> None:
         source.settle()  # no step of the inline source runs beside the evaluation's
-        if cfg.run.eval_video and layout.image_shape is not None:
+        if with_videos:
             finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes, stopped)
             record = summarize(finished)
             videos = write_videos(agent.networks, frames, first, run_dir / "eval",
@@ -308,7 +314,8 @@ def check_run_folder(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    for name in ("torchrl", "absl"):  # absl: dm_control's start-up INFO lines
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         check_overrides(sys.argv[1:])
         check_composes(sys.argv[1:])

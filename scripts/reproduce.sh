@@ -134,7 +134,8 @@ case "${1:-}" in
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
   learn-dmc | learn-smoke)
-    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set; runs go to $OUT/<group>/.
+    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (LEARN_MPS below); runs go
+    # to $OUT/<group>/.
     if [ "$1" = learn-dmc ]; then
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
       set_args=(--steps 100000 --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
@@ -146,6 +147,14 @@ case "${1:-}" in
       points=200,400
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
+    if [ -n "${LEARN_MPS:-}" ]; then
+      # LEARN_MPS=1: runs side by side share the GPU through CUDA's multi-process service, so that their
+      # kernels run at once instead of taking turns (a size1m update leaves most of the GPU idle).
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/dreamer-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dreamer-mps/log
+      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+      nvidia-cuda-mps-control -d || { echo "error: CUDA's MPS daemon did not start; rerun without LEARN_MPS"; exit 1; }
+      trap 'echo quit | nvidia-cuda-mps-control' EXIT
+    fi
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
       --parallel "${LEARN_PARALLEL:-1}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then

@@ -63,7 +63,7 @@ def test_a_raising_env_is_rebuilt_and_its_episode_truncated():
         ended += episodes
     assert len(built) == 2 and collector.restarts == 1
     faulted = [e for e in ended if e.truncated_by_fault]
-    assert len(faulted) == 1 and faulted[0].length == 4
+    assert len(faulted) == 1 and faulted[0].length == 3  # agent steps: two good ones and the one that raised
     done = [bool(r.get(("next", "done"))[0]) for r in records]
     terminated = [bool(r.get(("next", "terminated"))[0]) for r in records]
     is_init = [bool(r.get("is_init")[0]) for r in records]

@@ -28,7 +28,7 @@ def test_evaluate_writes_returns_and_a_video_that_decodes(workdir):
     assert result.returncode == 0, result.stderr[-2000:]
     out = workdir / "runs" / "ev" / "eval"
     record = json.loads((out / "eval-000000000256.json").read_text())
-    assert record["eval/episodes"] == 2 and len(record["returns"]) == 2 and record["lengths"] == [31, 31]
+    assert record["eval/episodes"] == 2 and len(record["returns"]) == 2 and record["lengths"] == [30, 30]
     reader = imageio.get_reader(out / "eval-000000000256.mp4")
     frames = [frame for frame in reader]
     assert len(frames) == 62 and frames[0].shape == (64, 64, 3)
@@ -170,3 +170,53 @@ def test_the_slurm_launcher_config_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert launcher.gpus_per_node == 1 and launcher.tasks_per_node == 1 and launcher.timeout_min > 0
+
+
+def test_summarize_reads_finished_interrupted_and_resumed_runs_under_any_folder(workdir):
+    """Recorded run folders (metrics.jsonl as training writes it): a finished run; one stopped in its first
+    evaluation before an episode ended (`eval/episodes` 0, no return); one resumed (its `time` starts
+    again). Pointed at `runs/`, every one gets a row; rates are of the training phase (prefill apart)."""
+    def record(kind, steps, updates, time, **values):
+        return {"kind": kind, "env_steps": steps, "frames": steps, "updates": updates, "time": time, **values}
+
+    runs = workdir / "runs"
+    finished = [record("train", 500, 0, 1.0, env_steps_per_s=500.0),  # the prefill: fast
+                record("train", 1000, 10, 51.0), record("train", 1500, 20, 101.0),
+                record("final_eval", 1500, 20, 110.0, **{"eval/return_mean": 7.5, "eval/episodes": 2})]
+    interrupted = [record("train", 500, 0, 1.0), record("train", 1000, 10, 51.0),
+                   record("eval", 1000, 10, 60.0, **{"eval/episodes": 0})]
+    resumed = [record("train", 500, 0, 1.0), record("train", 1000, 10, 51.0), record("train", 1500, 20, 101.0),
+               record("eval", 1500, 20, 105.0, **{"eval/return_mean": 3.0, "eval/episodes": 1}),
+               record("train", 2000, 30, 40.0)]  # the second command: 40 s after its start
+    for name, records in (("done", finished), ("cut", interrupted), ("sweeps/1/0", resumed)):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"kind": "tr')
+    (runs / "done" / "overrides.yaml").write_text("- +exp=cartpole\n- seed=1\n")
+    table = _python([str(ROOT / "scripts" / "summarize.py"), "runs"], workdir)
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[0]: line.split() for line in table.stdout.strip().splitlines()[2:]}
+    assert set(rows) == {"done", "cut", "sweeps/1/0"}
+    assert rows["done"][1:3] == ["+exp=cartpole", "seed=1"]
+    assert rows["done"][-3:] == ["10.0", "0.20", "7.50"]  # 500 env steps in 50 s; not 500 steps/s
+    assert rows["cut"][-3:] == ["-", "-", "-"]  # one training record: no rate yet; no return
+    # 1,000 env steps from 51 s to 105 + 40 s (the resumed command's time goes on from the first's last
+    # record), the last evaluation's return at 1,500 env steps.
+    assert rows["sweeps/1/0"][-4:] == ["10.6", "0.21", "3.00", "@1,500"]
+    assert rows["sweeps/1/0"][1:5] == ["-", "2,000", "30", "02:25"]  # wall-clock: 105 + 40 s
+    bad = _python([str(ROOT / "scripts" / "summarize.py"), "nowhere"], workdir)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_missing_video_package_is_named_in_one_line_with_its_extra(monkeypatch):
+    """Without imageio-ffmpeg (hidden here) a run of an image env says so at start-up and writes no
+    videos, instead of failing at its first evaluation."""
+    import importlib.util
+
+    from dreamer.evaluate import missing_video_support
+
+    assert missing_video_support() is None  # the test environment has the media extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "imageio_ffmpeg" else real(name, *a))
+    line = missing_video_support()
+    assert line.startswith("imageio-ffmpeg not installed") and "pip install -e '.[media]'" in line and "\n" not in line

@@ -127,9 +127,9 @@ def test_every_preset_trains_a_few_updates_and_evaluates_short_episodes(workdir,
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(workdir / "runs" / "p")
     assert max(r["updates"] for r in records) > 0 and records[-1]["kind"] == "final_eval"
-    # The smoke preset ends episodes after 100 agent steps (the record counts the final observation too),
-    # so that an evaluation takes seconds in every preset.
-    assert records[-1]["eval/length_mean"] <= 101
+    # The smoke preset ends episodes after 100 agent steps (lengths count agent steps), so that an
+    # evaluation takes seconds in every preset.
+    assert records[-1]["eval/length_mean"] <= 100
     # Frames as the reference counts them: env steps x the action repeat of the run's env.
     env = yaml.safe_load((workdir / "runs" / "p" / "config.yaml").read_text())["env"]
     repeat = env.get("repeat", 1) if env["suite"] in ("dmc", "atari") else 1
