@@ -64,12 +64,43 @@ def check_composes(argv: list[str], config_dir: Path = CONFIG_DIR) -> None:
         if "," in value and not value.startswith(("[", "{", "${", "'", '"')):
             value = value.split(",")[0]  # a sweep: its first job's value
         overrides.append(f"{key}={value}")
-    try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
-    except Exception as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        raise ConfigError(" ".join(lines[:2]) if lines else type(error).__name__) from None
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        try:
+            cfg = compose(config_name="config", overrides=overrides)
+        except Exception as error:
+            unknown = re.search(r"Could not override '([^']+)'", str(error))
+            if unknown:  # Hydra's hint would be +KEY=..., a key that nothing reads
+                raise ConfigError(_unknown_key(unknown.group(1), compose(config_name="config"))) from None
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            raise ConfigError(" ".join(lines[:2]) if lines else type(error).__name__) from None
+    _check_sections(cfg)
+
+
+def _dotted_keys(node, prefix: str = "") -> list[str]:
+    if not isinstance(node, DictConfig):
+        return [prefix[:-1]]
+    return [key for name in node for key in _dotted_keys(node._get_node(name), f"{prefix}{name}.")]
+
+
+def _unknown_key(key: str, cfg: DictConfig) -> str:
+    """One line for a key that `cfg` does not have: the closest keys it does have."""
+    import difflib
+
+    close = difflib.get_close_matches(key, _dotted_keys(cfg), n=3, cutoff=0.6)
+    return (f"'{key}' is not a setting" + (f"; did you mean {' or '.join(close)}?" if close else "")
+            + " (python -m dreamer.train --cfg job lists every setting)")
+
+
+def _check_sections(cfg: DictConfig) -> None:
+    """A top-level key that config.yaml and its groups do not define (`+optimiser.lr=...`) is read by
+    nothing: refused, with the closest settings."""
+    sections = set(OmegaConf.load(CONFIG_DIR / "config.yaml")) | {p.name for p in CONFIG_DIR.iterdir() if p.is_dir()}
+    for name in cfg:
+        if name not in sections:
+            node = cfg._get_node(name)
+            key = f"{name}.{_dotted_keys(node)[0]}" if isinstance(node, DictConfig) and len(node) else name
+            known = OmegaConf.masked_copy(cfg, [n for n in cfg if n in sections])
+            raise ConfigError(_unknown_key(key, known))
 
 
 @dataclass(frozen=True)
@@ -211,6 +242,7 @@ def _settings(kind, section: str, cfg: DictConfig):
 
 
 def validate(cfg: DictConfig) -> Settings:
+    _check_sections(cfg)
     _check_types(cfg)
     _check_ranges(cfg)
     _check_logger(cfg.logger)

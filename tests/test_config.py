@@ -196,3 +196,16 @@ def test_run_collect_auto_is_workers_on_a_cuda_learner_and_inline_on_cpu(monkeyp
     assert _compose(["+exp=dmc_proprio"]).run.collect == "auto"
     settings = validate(cfg)
     assert settings.collect == resolved and f"{resolved} collection" in describe(settings)
+
+
+@pytest.mark.parametrize("override", ["optimiser.lr=1e-3", "+optimiser.lr=1e-3", "run.stepz=5"])
+def test_a_misspelt_key_is_refused_with_the_closest_settings_and_never_added(override):
+    """Hydra would hint `+optimiser.lr=...`, which adds a key that nothing reads; `+` does not get it past."""
+    from dreamer.config import check_composes
+
+    with pytest.raises(ConfigError) as error:
+        check_composes([override])
+    key = override.lstrip("+").split("=")[0]
+    closest = {"optimiser.lr": "optimizer.lr", "run.stepz": "run.steps"}[key]
+    assert str(error.value).startswith(f"'{key}' is not a setting; did you mean {closest}")
+    assert "+" not in str(error.value)
