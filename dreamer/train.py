@@ -316,6 +316,8 @@ def check_run_folder(argv: list[str]) -> None:
 def cli() -> None:
     for name in ("torchrl", "absl"):  # absl: dm_control's start-up INFO lines
         logging.getLogger(name).setLevel(logging.WARNING)
+    if ("--cfg" in sys.argv or "-c" in sys.argv) and "--resolve" not in sys.argv:
+        sys.argv.append("--resolve")  # --cfg job prints run.name as the run folder will be named
     try:
         check_overrides(sys.argv[1:])
         check_composes(sys.argv[1:])

@@ -72,6 +72,7 @@ def test_cfg_job_prints_the_composed_config(preset, workdir):
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert printed["batch_size"] >= 1 and "env" in printed and "model" in printed
+    assert "${" not in printed["run"]["name"]  # the run folder's name, resolved
 
 
 def test_unknown_options_are_rejected_with_the_list():
@@ -209,3 +210,12 @@ def test_a_misspelt_key_is_refused_with_the_closest_settings_and_never_added(ove
     closest = {"optimiser.lr": "optimizer.lr", "run.stepz": "run.steps"}[key]
     assert str(error.value).startswith(f"'{key}' is not a setting; did you mean {closest}")
     assert "+" not in str(error.value)
+
+
+def test_help_is_the_apps_own_text_with_its_presets_and_sizes(workdir):
+    result = run_train(["--help"], workdir, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = result.stdout
+    assert text.startswith("dreamer: DreamerV3 training.") and "python -m dreamer.evaluate" in text
+    assert "dmc_proprio" in text and "size200m" in text and "--cfg job" in text
+    assert "Powered by Hydra" not in text  # Hydra's own help stays behind --hydra-help
