@@ -244,7 +244,7 @@ class Metrics:
     def write(self, record: dict, env_steps: int, updates: int, kind: str = "train", at: float | None = None) -> dict:
         """Appends one record to metrics.jsonl (and wandb); prints it when there is no live line.
 
-        `at`: the perf_counter time at which env_steps and updates were read, when the record is written
+        `at`: the clock's time at which env_steps and updates were read, when the record is written
         later (a train record waits for the learner's device values): its time and rates are of that moment.
         """
         at = self.clock() if at is None else at

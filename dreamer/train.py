@@ -241,7 +241,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                       "learner/busy": learner.busy_seconds() / max(now - logged_at, 1e-9), **source.stats()}
             logged_at = now
             pending.append((learner.read_metrics(), record, counters["env_steps"], learner.updates,
-                            time.perf_counter()))
+                            metrics.clock()))
             window.clear()
         while pending and pending[0][0].ready():  # device metrics arrive without stalling the loop
             write_pending()
