@@ -95,7 +95,7 @@ def test_an_unknown_key_in_a_sweep_fails_before_any_job(workdir):
     result = run_train(["-m", "hydra/launcher=joblib", "+debug=smoke", "run.nope=1,2"], workdir)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Could not override 'run.nope'" in lines[0]
+    assert len(lines) == 1 and "'run.nope' is not a setting; did you mean run.name" in lines[0]
     assert not (workdir / "runs").exists()
 
 

@@ -85,7 +85,8 @@ def test_sigterm_saves_and_the_same_command_resumes(workdir):
         (["+exp=minecraft"], "MineRL is not installed here: run inside the Docker image"),
         (["run.threads=0"], "run.threads must be auto or a positive integer"),
         (["batch_size=abc"], "batch_size must be an integer, got 'abc'"),
-        (["run.nope=3"], "Could not override 'run.nope'. To append to your config use +run.nope=3"),
+        (["run.nope=3"], "'run.nope' is not a setting; did you mean run.name"),
+        (["+optimiser.lr=1"], "'optimiser.lr' is not a setting; did you mean optimizer.lr"),
     ],
 )
 def test_bad_input_gets_one_line_and_a_nonzero_exit(workdir, args, message):
