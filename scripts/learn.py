@@ -6,7 +6,8 @@
 Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
 `DIR/<task>-seed<seed>`, with the overrides given after the options. Up to `--parallel` runs go at once
 (on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by side made 122 updates/s
-together against 134 for one alone, BENCHMARKS.md); runs start in seed-major order, so
+together against 134 for one alone, as their CUDA contexts take turns; under CUDA's multi-process service,
+which `reproduce.sh learn-dmc` starts, three made 215 and six 315, BENCHMARKS.md); runs start in seed-major order, so
 that a partial set holds every task's first seed. At `--seconds` every run still going gets SIGINT: it
 finishes its update, saves a checkpoint with its replay and exits. Rerunning the same command resumes the
 unfinished runs from their checkpoints (the training command's own resume) and skips the finished ones,

@@ -6,10 +6,11 @@ RUNS_DIR holds run folders (`scripts/reproduce.sh learn-dmc` makes one per task 
 the training-episode return (`episode/return`, the reference's own measure) and the evaluation return
 (`eval/return_mean`, where the run evaluated) at each point of `--frames`, interpolated linearly between
 the run's records (past the last one: its value) and left out ("-") where the run has not reached the
-point; the wall-clock to the last
-point (the summed `time` of the run's commands: each resumed command counts from its own start, so a
-command's start-up is counted and the work lost after its last checkpoint is not); the median updates/s;
-and the commits it ran (each run folder's `commit` file, written by reproduce.sh at each command).
+point or has no value of that kind at or before it (the first evaluation comes at `run.eval_every`); the
+wall-clock to the last point (the summed `time` of the run's commands: each resumed command counts from
+its own start, so a command's start-up is counted and the work lost after its last checkpoint is not);
+the median updates/s; and the commits it ran (each run folder's `commit` file, written by reproduce.sh at
+each command).
 
 Per task: the mean over seeds of the training return at each point beside the reference's mean and
 min-max over its seeds (`dreamer/reference`), and whether it meets the bar: within the reference's
@@ -62,9 +63,11 @@ class Run:
         return " ".join(str(part) for part in self.key if part)
 
     def at(self, point: float, evaluation: bool = False) -> float | None:
-        frames, values = self.evals if evaluation else (self.frames, self.returns)
-        if evaluation and self.evals is None or not len(frames) or self.reached < REACHED * point:
+        if evaluation and self.evals is None:  # the run has not evaluated (yet)
             return None
+        frames, values = self.evals if evaluation else (self.frames, self.returns)
+        if not len(frames) or self.reached < REACHED * point or point < REACHED * frames[0]:
+            return None  # not reached yet, or before the run's first value of this kind (nothing to interpolate)
         return float(np.interp(point, frames, values))  # past the last record: its value
 
     def seconds_to(self, point: float) -> float | None:
@@ -130,6 +133,8 @@ def task_rows(runs: list[Run], points: list[float]) -> tuple[list[str], dict[flo
         for point in points:
             ref_mean, low, high = reference.at(point)
             verdict = {None: "", True: " met", False: " **missed**"}[met[point]]
+            if met[point] is False and means[points.index(point)] > high:
+                verdict = " **missed** (above its range)"
             cells.append(f"{ref_mean:.0f} ({low:.0f}-{high:.0f}){verdict}")
         rows.append("| " + " | ".join(["", f"reference ({reference.seeds} seeds)", *cells, *blank]) + " |")
     else:

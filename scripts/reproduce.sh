@@ -26,8 +26,10 @@
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio, 6 tasks x 3 seeds to 100K frames,
-#                                             # one run at a time, 9 minutes per command: rerun until it says
-#                                             # all runs finished, then LEARNING.md (scripts/learning_report.py)
+#                                             # three runs at once under CUDA's MPS, 9 minutes per command:
+#                                             # rerun until it says all runs finished, then LEARNING.md
+#                                             # (scripts/learning_report.py). Runs resume from checkpoints on
+#                                             # this machine's disk: chain the commands on one machine.
 #   bash scripts/reproduce.sh learn-smoke     # the same chain on the CPU in minutes: 1 task x 3 seeds, smoke size
 #
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
@@ -136,7 +138,9 @@ case "${1:-}" in
   learn-dmc | learn-smoke)
     # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (LEARN_MPS below); runs go
     # to $OUT/<group>/.
+    mps=0 parallel=1
     if [ "$1" = learn-dmc ]; then
+      mps=1 parallel=3  # one H200: 3 runs at once under MPS made 1.61 x the updates of one alone (BENCHMARKS.md)
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
       set_args=(--steps 100000 --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
       points=50000,100000
@@ -147,16 +151,19 @@ case "${1:-}" in
       points=200,400
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
-    if [ -n "${LEARN_MPS:-}" ]; then
-      # LEARN_MPS=1: runs side by side share the GPU through CUDA's multi-process service, so that their
-      # kernels run at once instead of taking turns (a size1m update leaves most of the GPU idle).
+    if [ "${LEARN_MPS:-$mps}" = 1 ]; then
+      # LEARN_MPS=1 (learn-dmc's default; LEARN_MPS=0 turns it off): runs side by side share the GPU
+      # through CUDA's multi-process service, so that their kernels run at once instead of taking turns
+      # (a size1m update leaves most of the GPU idle).
+      command -v nvidia-cuda-mps-control >/dev/null ||
+        { echo "error: nvidia-cuda-mps-control is not installed; rerun with LEARN_MPS=0"; exit 1; }
       export CUDA_MPS_PIPE_DIRECTORY=/tmp/dreamer-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dreamer-mps/log
       mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      nvidia-cuda-mps-control -d || { echo "error: CUDA's MPS daemon did not start; rerun without LEARN_MPS"; exit 1; }
+      nvidia-cuda-mps-control -d || { echo "error: CUDA's MPS daemon did not start; rerun with LEARN_MPS=0"; exit 1; }
       trap 'echo quit | nvidia-cuda-mps-control' EXIT
     fi
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
-      --parallel "${LEARN_PARALLEL:-1}" "${set_args[@]}" | tee -a "$OUT/$1.log"
+      --parallel "${LEARN_PARALLEL:-$parallel}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
       $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
     fi

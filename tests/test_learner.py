@@ -203,3 +203,53 @@ def test_channels_last_cnns_change_no_result():
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                          for w in convs)
     _same_two_updates(nhwc, plain, batch, seed=30)
+
+
+def test_the_acting_policy_carries_the_learners_posterior(monkeypatch):
+    """The acting policy (torchrl's state estimator, step by step) and the learner's scan give the same
+    beliefs and states on one recorded sequence, continuous actions beyond [-1, 1] included: the policy
+    acts on the latent the actor was trained on. Sampling is replaced by the mode in both paths (the
+    same module-level function), so the two are deterministic and comparable."""
+    import torchrl.modules.models.model_based as model_based
+
+    import dreamer.learner as learner_module
+    from tensordict import TensorDict
+
+    def mode(logits, unimix=0.0, uniform=None):
+        probs = model_based._unimix_probs(logits, unimix)
+        one_hot = torch.zeros_like(probs).scatter_(-1, probs.argmax(-1, keepdim=True), 1.0)
+        return probs + (one_hot - probs).detach()
+
+    monkeypatch.setattr(model_based, "_straight_through_categorical", mode)
+    monkeypatch.setattr(learner_module, "_straight_through_categorical", mode)
+    torch.manual_seed(0)
+    agent, _ = _setup(CONTINUOUS)
+    with torch.no_grad():  # weights far from their initialization, so that every input matters
+        for parameter in agent.loss.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    learner = Learner(agent, OptimizerSettings(), "cpu")
+    size, steps = agent.size, 12
+    observations, actions = 3 * torch.randn(steps, 5), 3 * torch.rand(steps, 3) - 1.5
+    state, belief, previous = torch.zeros(1, size.latent), torch.zeros(1, size.deter), torch.zeros(1, 3)
+    records, acted = [], []
+    for t in range(steps):  # record t: the carry before o[t], and o[t]; the env then takes actions[t]
+        record = TensorDict({"state": state, "belief": belief, "action": previous,
+                             "is_init": torch.tensor([[t == 0]]), "next": {"observation": observations[t:t + 1]}}, [1])
+        records.append(record.clone())
+        out = agent.policy(record).get("policy")
+        state, belief, previous = out.get("state"), out.get("belief"), actions[t:t + 1]
+        acted.append((state, belief))
+    batch = torch.stack(records, 1)
+    for key, dtype in (("reward", torch.float32), ("done", torch.bool), ("terminated", torch.bool)):
+        batch["next", key] = torch.zeros(1, steps, 1, dtype=dtype)
+    with torch.no_grad():
+        _, _, states, beliefs, _ = learner._losses(learner._inputs(batch))
+    acting_states, acting_beliefs = torch.cat([s for s, _ in acted]), torch.cat([b for _, b in acted])
+    assert torch.equal(states[0], acting_states)
+    torch.testing.assert_close(beliefs[0], acting_beliefs, rtol=1e-5, atol=1e-5)
+    assert acting_beliefs.abs().mean() > 0.05 and acting_states[1:].ne(acting_states[:-1]).any()
+    # The check can fail: the same sequence with one earlier action changed moves the learner's beliefs.
+    batch["action"][0, 5] += 0.5
+    with torch.no_grad():
+        _, _, _, moved, _ = learner._losses(learner._inputs(batch))
+    assert not torch.allclose(moved[0, 5:], acting_beliefs[5:], rtol=1e-5, atol=1e-5)

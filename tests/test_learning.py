@@ -54,11 +54,14 @@ def test_the_report_gives_each_seed_the_reference_and_a_plot(learned, tmp_path):
     text = out.read_text()
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| dmc cartpole_balance")]
     assert [row[1] for row in rows] == ["0", "1"]
-    # The training return at 200 frames, interpolated from seed 0's own records.
+    # The training return at each point, from seed 0's own records: interpolated between them, the last
+    # one's value past it, and "-" before the first (no episode had ended: nothing is invented).
     records = [json.loads(line) for line in (learned / "cartpole_balance-seed0" / "metrics.jsonl").read_text().splitlines()]
     points = sorted((r["frames"], r["episode/return"]) for r in records if "episode/return" in r)
-    expected = np.interp(200, [f for f, _ in points], [v for _, v in points])
-    assert rows[0][2] == f"{expected:,.0f}"
+    for cell, point in zip(rows[0][2:4], (200, 400)):
+        expected = np.interp(point, [f for f, _ in points], [v for _, v in points])
+        assert cell == ("-" if point < points[0][0] else f"{expected:,.0f}"), (point, points)
+    assert any(cell != "-" for cell in rows[0][2:4])
     reference = load("dmc_proprio", "dmc_cartpole_balance")
     mean, low, high = reference.at(200)
     assert f"{mean:.0f} ({low:.0f}-{high:.0f})" in text
@@ -70,3 +73,22 @@ def test_the_report_refuses_a_folder_without_runs_in_one_line(tmp_path):
     made = subprocess.run([sys.executable, "scripts/learning_report.py", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert made.returncode == 2 and made.stderr.count("\n") == 1 and "holds none" in made.stderr
+
+
+def test_the_report_takes_a_run_that_has_not_evaluated_yet(learned, tmp_path):
+    """A run stopped before its first evaluation (a set cut short): its eval cells are "-", its training
+    returns are reported."""
+    import shutil
+
+    folder = tmp_path / "runs" / "cartpole_balance-seed0"
+    shutil.copytree(learned / "cartpole_balance-seed0", folder, ignore=shutil.ignore_patterns("checkpoints"))
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    kept = [r for r in records if r["kind"] not in ("eval", "final_eval")]
+    assert len(kept) < len(records)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    out = tmp_path / "LEARNING.md"
+    made = subprocess.run([sys.executable, "scripts/learning_report.py", str(folder.parent), "--out", str(out),
+                           "--frames", "200,400"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    row = next(line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| dmc cartpole_balance"))
+    assert row[3] != "-" and row[4:6] == ["-", "-"]  # the training return at 400 frames; no evaluation
