@@ -117,6 +117,11 @@ class WandbSink:
             folder = self.run.settings.sync_dir
             print(f"warning: wandb did not start online ({failures[0]}); logging offline to {folder}; "
                   f"upload it later with `wandb sync {folder}`", file=sys.stderr)
+        elif self.run is not None and mode == "offline":
+            why = "no API key: `wandb login` or WANDB_API_KEY logs online" if settings.get("mode", "auto") == "auto" \
+                else "logger.mode=offline"
+            print(f"dreamer: wandb logs offline ({why}) to {self.run.settings.sync_dir}; upload it with "
+                  f"`wandb sync {self.run.settings.sync_dir}`", flush=True)
         elif failures:
             print(f"warning: wandb did not start ({'; '.join(failures)}); not logging to wandb", file=sys.stderr)
 

@@ -45,6 +45,8 @@ class Every:
 
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    if line := _sweep_line():
+        print(line, flush=True)
     try:
         train(cfg)
     except (ConfigError, checkpoint.CheckpointError) as error:
@@ -96,6 +98,22 @@ def make_replay(cfg: DictConfig, layout: EnvLayout, settings, run_dir: Path) -> 
           f"{'memory-mapped files' if directory else 'host memory'}", flush=True)
     return Replay(cfg.run.envs, cfg.replay.size, cfg.batch_size, cfg.batch_length, settings.topology.learner,
                   seed=cfg.seed, directory=directory, online=cfg.replay.online)
+
+
+def _sweep_line() -> str | None:
+    """For a sweep's first job: where the sweep's jobs go and how a rerun resumes them (a sweep folder named
+    by the time would otherwise be a new one at each rerun)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN or hydra_cfg.job.get("num", 0) != 0:
+        return None
+    folder = hydra_cfg.sweep.dir
+    return (f"dreamer: sweep folder {folder} (a run folder per job); the same command with "
+            f"hydra.sweep.dir={folder} resumes its jobs")
 
 
 def _overrides() -> list[str] | None:

@@ -60,6 +60,16 @@ def test_a_joblib_sweep_makes_one_run_folder_per_job_and_a_summary(workdir):
     assert table.returncode == 0, table.stderr
     rows = table.stdout.strip().splitlines()[2:]
     assert len(rows) == 2 and "seed=0" in rows[0] and "seed=1" in rows[1]
+    # The first job says where the sweep went and how to resume it; the same command naming that folder
+    # resumes its jobs (both finished here: each says so) instead of starting a new sweep.
+    hint = f"dreamer: sweep folder {sweep.relative_to(workdir)} (a run folder per job); the same command with " \
+           f"hydra.sweep.dir={sweep.relative_to(workdir)} resumes its jobs"
+    assert result.stdout.count(hint) == 1, result.stdout[-3000:]
+    again = run_train(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "+debug=smoke", "seed=0,1",
+                       "run.eval_every=0", "run.steps=128", f"hydra.sweep.dir={sweep.relative_to(workdir)}"], workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list((workdir / "runs" / "sweeps").iterdir())) == 1
+    assert again.stdout.count("already finished") == 2, again.stdout[-3000:]
 
     plot = _python([str(ROOT / "scripts" / "plot.py"), str(sweep / "0"), str(sweep / "1"), "--out", "c.png",
                     "--metric", "eval/return_mean"], workdir)

@@ -15,6 +15,9 @@ def test_wandb_goes_offline_without_a_key_and_a_resume_keeps_the_run_id(workdir)
     offline = sorted((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and offline[0].name.endswith(run_id)
     assert any(p.suffix == ".wandb" for p in offline[0].iterdir())
+    # The run says it logs offline, where, and how to upload it (one line, on stdout: not a warning).
+    said = [line for line in first.stdout.splitlines() if "wandb logs offline" in line]
+    assert len(said) == 1 and "no API key" in said[0] and f"`wandb sync {offline[0]}`" in said[0], first.stdout[-2000:]
 
     second = run_train(args + ["run.steps=256"], workdir, env=environment)
     assert second.returncode == 0, second.stderr[-3000:]
