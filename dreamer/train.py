@@ -116,6 +116,13 @@ def _sweep_line() -> str | None:
             f"hydra.sweep.dir={folder} resumes its jobs")
 
 
+def _preset() -> str | None:
+    """The +exp preset of this run (None: the embedded default, or not started by Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().runtime.choices.get("exp") if HydraConfig.initialized() else None
+
+
 def _overrides() -> list[str] | None:
     """The command line's overrides (for scripts/summarize.py), when Hydra started this run."""
     from hydra.core.hydra_config import HydraConfig
@@ -187,7 +194,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
               + (f" ({dropped} metrics records newer than the checkpoint dropped)" if dropped else ""), flush=True)
     elif (run_dir / "metrics.jsonl").is_file():  # a run that never saved a checkpoint: its records are set aside
         (run_dir / "metrics.jsonl").rename(run_dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-    print(f"dreamer: {cfg.env.suite} {cfg.env.task}, {cfg.run.envs} envs: {layout.describe()}; model "
+    preset = _preset()
+    print(f"dreamer: {f'preset {preset}: ' if preset else ''}{cfg.env.suite} {cfg.env.task}, {cfg.run.envs} envs: "
+          f"{layout.describe()}; model "
           f"{cfg.model.name}, {agent.networks.parameter_count():,} parameters", flush=True)
 
     with_videos = bool(cfg.run.eval_video and layout.image_shape is not None and cfg.run.eval_episodes)
@@ -332,7 +341,7 @@ def check_run_folder(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    for name in ("torchrl", "absl"):  # absl: dm_control's start-up INFO lines
+    for name in ("torchrl", "absl", "OpenGL"):  # absl: dm_control's start-up INFO lines; OpenGL: PyOpenGL's
         logging.getLogger(name).setLevel(logging.WARNING)
     if ("--cfg" in sys.argv or "-c" in sys.argv) and "--resolve" not in sys.argv:
         sys.argv.append("--resolve")  # --cfg job prints run.name as the run folder will be named

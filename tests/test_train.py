@@ -239,3 +239,20 @@ def test_records_keep_their_brackets_on_a_terminal_and_a_run_ends_with_its_summa
     assert "final evaluation: return 12.25 mean, 10.00 min, 14.50 max over 4 episodes" in text
     assert "training return (the last record's episodes): 3.50" in text
     assert "command: python -m dreamer.train +exp=cartpole seed=3" in text and f"folder: {tmp_path}" in text
+
+
+def test_start_up_says_what_runs_in_three_plain_lines(workdir):
+    """Before the progress line: the run folder, learner, collection and topology; the replay's memory; the
+    preset, env, envs, observations, actions, model and parameter count. Nothing else (no logging lines)."""
+    result = run_train(["+exp=emulated", *SMOKE, "run.steps=64", "run.eval_every=0", "env.step_latency=0",
+                        "run.collect=inline"], workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    head = result.stdout[: result.stdout.index("[train]")].splitlines()
+    assert len(head) == 3 and all(line.startswith("dreamer: ") for line in head), head
+    folder, replay, what = head
+    assert f"run folder {workdir / 'runs' / 'emulated-diamond-smoke-seed0'};" in folder
+    assert all(part in folder for part in ("learner eager, fp32", "inline collection", "topology cpu"))
+    assert re.fullmatch(r"dreamer: replay of 4,096 records x [\d,]+ bytes = [\d.]+ MB in host memory", replay), replay
+    assert re.fullmatch(r"dreamer: preset emulated: emulated diamond, 2 envs: image 3 x 64 x 64 and a vector of \d+; "
+                        r"25 discrete actions; model smoke, [\d,]+ parameters", what), what
+    assert result.stderr == "", result.stderr[-2000:]
