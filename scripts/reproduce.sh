@@ -137,7 +137,7 @@ case "${1:-}" in
     ;;
   learn-dmc | learn-smoke)
     # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (LEARN_MPS below); runs go
-    # to $OUT/<group>/.
+    # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
     mps=0 parallel=1
     if [ "$1" = learn-dmc ]; then
       mps=1 parallel=3  # one H200: 3 runs at once under MPS made 1.61 x the updates of one alone (BENCHMARKS.md)
@@ -164,6 +164,11 @@ case "${1:-}" in
     fi
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
       --parallel "${LEARN_PARALLEL:-$parallel}" "${set_args[@]}" | tee -a "$OUT/$1.log"
+    if [ "${LEARN_DIAGNOSE:-0}" = 1 ]; then  # each run's beliefs against an episode (scripts/diagnose_learning.py)
+      for run in "$OUT/$1"/*/; do
+        [ -d "$run/checkpoints" ] && { $PY scripts/diagnose_learning.py "$run" --episodes 1 || true; }
+      done
+    fi
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
       $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
     fi

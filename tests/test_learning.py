@@ -92,3 +92,27 @@ def test_the_report_takes_a_run_that_has_not_evaluated_yet(learned, tmp_path):
     assert made.returncode == 0, made.stderr
     row = next(line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| dmc cartpole_balance"))
     assert row[3] != "-" and row[4:6] == ["-", "-"]  # the training return at 400 frames; no evaluation
+
+
+def test_the_diagnosis_compares_the_models_beliefs_with_an_episode(learned, tmp_path):
+    """scripts/diagnose_learning.py on a real run's checkpoint: one sampled episode, the open-loop and
+    imagined rewards beside the real ones, the actor's spread; a folder without a checkpoint is one line."""
+    out = tmp_path / "d.json"
+    done = subprocess.run([sys.executable, "scripts/diagnose_learning.py", str(learned / "cartpole_balance-seed0"),
+                           "--episodes", "1", "--horizon", "5", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    (episode,) = result["episodes"]
+    assert episode["steps"] == 101  # the reset's record and 100 agent steps (the smoke preset's episodes)
+    assert len(episode["open_loop_reward_abs_error_by_step"]) == 5
+    assert abs(episode["real_reward_per_step"] * 5 - episode["real_reward_sum"]) < 1e-4
+    assert 0 < episode["actor_std_mean"] <= 1.0 and result["return_scale"] >= 1.0
+    assert "value_mean" not in episode  # 100-step episodes: no state is 700 steps from its end
+    assert "imagination against reality" in done.stdout
+    empty = tmp_path / "run"
+    empty.mkdir()
+    (empty / "config.yaml").write_text("seed: 0\n")
+    refused = subprocess.run([sys.executable, "scripts/diagnose_learning.py", str(empty)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no checkpoint" in refused.stderr

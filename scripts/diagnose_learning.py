@@ -1,0 +1,194 @@
+"""What a run's agent believes against what happens: the checks of a learning shortfall, from a checkpoint.
+
+    python scripts/diagnose_learning.py RUN_DIR [--checkpoint PATH] [--episodes 2] [--horizon 15]
+        [--out FILE.json]
+
+Loads the run's config and newest checkpoint (as `python -m dreamer.evaluate` does), plays `--episodes`
+episodes with the training policy (sampled actions, as collection acts), and compares on them:
+
+- **values**: the critic's value of each posterior state against the real discounted return from it
+  (discount 1 - 1/horizon; only states at least 700 steps before the episode's end, where the cut-off
+  changes the real return by under 12 %: that many discounts of 0.997 leave 0.12);
+- **open-loop rewards**: from posterior states along the episodes, the prior rolled forward with the
+  episode's real actions for `--horizon` steps: the predicted rewards against the real ones, per step ahead;
+- **imagination against reality**: from the same states, the actor acting in the model for `--horizon`
+  steps (as the learner imagines): the imagined reward per step against the real reward per step the
+  same policy earned in the env from there (a model the actor exploits promises more than it gives);
+- **the actor**: its standard deviations and entropy on the real states, and the return normalization's
+  scale the learner divides advantages by.
+
+Prints one line per check and writes them as JSON (default: RUN_DIR/diagnosis-<env steps>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchrl.modules.models.model_based import _default_bins, two_hot_decode  # noqa: E402
+
+DISCOUNT_TAIL = 700  # steps before an episode's end a state must be for the value check
+
+
+@torch.no_grad()
+def posterior(networks, records: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The world model's posterior (state, belief) after each record's observation, [T, ...]."""
+    sequence = torch.stack(records).unsqueeze(0)
+    seen = networks.world_model(sequence)
+    return seen.get(("next", "state"))[0], seen.get(("next", "belief"))[0]
+
+
+@torch.no_grad()
+def analyse(agent, records: list, horizon: int, gamma: float, stride: int = 25) -> dict:
+    """The checks on one episode's records (record t: the carry before o[t], a[t-1], and o[t], r[t])."""
+    networks = agent.networks
+    bins = _default_bins(agent.size.bins)
+    states, beliefs = posterior(networks, records)
+    rewards = torch.stack([r.get(("next", "reward")).reshape(()) for r in records]).float()
+    actions = torch.stack([r.get("action") for r in records]).float()  # actions[t] = a[t-1]
+    steps = len(records)
+    out: dict = {"steps": steps, "return": float(rewards.sum())}
+
+    values = two_hot_decode(networks.critic_head(states, beliefs), bins)
+    real = torch.zeros(steps)
+    running = torch.zeros(())
+    for t in range(steps - 2, -1, -1):  # the discounted return after state t: r[t+1] + gamma r[t+2] + ...
+        running = rewards[t + 1] + gamma * running
+        real[t] = running
+    far = max(steps - DISCOUNT_TAIL, 0)
+    if far:
+        out["value_mean"], out["real_return_mean"] = float(values[:far].mean()), float(real[:far].mean())
+
+    starts = list(range(1, steps - horizon - 1, stride))
+    if starts:
+        index = torch.tensor(starts)
+        s, b = states[index], beliefs[index]
+        predicted, errors = [], []
+        for k in range(1, horizon + 1):  # prior step with the real action a[t+k-1] (stored in record t+k)
+            _, s, b = networks.prior(s, b, actions[index + k])
+            guess = two_hot_decode(networks.reward_head(s, b), bins)
+            predicted.append(guess)
+            errors.append((guess - rewards[index + k]).abs().mean())
+        real_sums = torch.stack([rewards[index + k] for k in range(1, horizon + 1)]).sum(0)
+        out["open_loop_reward_abs_error_by_step"] = [round(float(e), 4) for e in errors]
+        out["open_loop_reward_sum"] = float(torch.stack(predicted).sum(0).mean())
+        out["real_reward_sum"] = float(real_sums.mean())
+
+        s, b = states[index], beliefs[index]
+        imagined = []
+        for _ in range(horizon):  # the actor's sampled actions, as the learner's imagination draws them
+            if agent.layout.discrete:
+                logits = networks.actor_net(s, b)  # log-probabilities
+                action = torch.nn.functional.one_hot(torch.distributions.Categorical(logits=logits).sample(),
+                                                     logits.shape[-1]).float()
+            else:
+                mean, std = networks.actor_net(s, b)
+                action = mean + std * torch.randn_like(mean)
+            _, s, b = networks.prior(s, b, action)
+            imagined.append(two_hot_decode(networks.reward_head(s, b), bins))
+        out["imagined_reward_per_step"] = float(torch.stack(imagined).mean())
+        out["real_reward_per_step"] = float(real_sums.mean() / horizon)
+
+    if not agent.layout.discrete:
+        mean, std = networks.actor_net(states, beliefs)
+        out["actor_std_mean"] = float(std.mean())
+        out["actor_entropy"] = float(torch.distributions.Normal(mean, std).entropy().sum(-1).mean())
+    else:
+        logits = networks.actor_net(states, beliefs)
+        out["actor_entropy"] = float(torch.distributions.Categorical(logits=logits).entropy().mean())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
+    parser.add_argument("--episodes", type=int, default=2)
+    parser.add_argument("--horizon", type=int, default=15, help="steps ahead of the open-loop and imagined checks")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+
+    from omegaconf import OmegaConf
+
+    from dreamer import checkpoint
+    from dreamer.agent import EnvLayout, build_agent
+    from dreamer.collect import Collector
+    from dreamer.config import ConfigError, validate
+    from dreamer.envs import make_env
+    from dreamer.evaluate import load_weights
+
+    config = args.run_dir / "config.yaml"
+    if not config.is_file():
+        print(f"error: {args.run_dir} is not a run folder (no config.yaml)", file=sys.stderr)
+        return 2
+    path = args.checkpoint or next(reversed(checkpoint.list_checkpoints(args.run_dir)), None)
+    if path is None:
+        print(f"error: {args.run_dir} has no checkpoint yet; train longer or pass --checkpoint PATH", file=sys.stderr)
+        return 2
+    if args.episodes < 1 or args.horizon < 1:
+        print("error: --episodes and --horizon must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        state = checkpoint.load(path)
+        cfg = OmegaConf.load(config)
+        settings = validate(cfg)
+    except (checkpoint.CheckpointError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    env = make_env(cfg.env, cfg.seed + 3_000_000)
+    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
+    agent = build_agent(layout, settings.size, settings.loss)
+    try:
+        load_weights(agent.loss, state, path, config)
+    except checkpoint.CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    agent.loss.eval()
+    gamma = 1 - 1 / float(cfg.loss.horizon)
+    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 3_000_000), agent.policy, layout,
+                          settings.size, "cpu", explore=True, suite=cfg.env.suite)
+    collector.reset()
+    episodes, current = [], []
+    while len(episodes) < args.episodes:
+        record, ended = collector.step()
+        current.append(record[0])
+        if ended:
+            episodes.append(current)
+            current = []
+    collector.close()
+    results = [analyse(agent, records, args.horizon, gamma) for records in episodes]
+    retnorm = agent.loss.actor_loss.retnorm
+    summary = {"checkpoint": str(path), "env_steps": state["step"], "episodes": results,
+               "return_scale": float(retnorm.scale().reshape(-1)[0])}
+    out = args.out or args.run_dir / f"diagnosis-{state['step']:012d}.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+
+    def mean(key):
+        values = [r[key] for r in results if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    print(f"{len(results)} episodes from {path.name} (env step {state['step']:,}), sampled actions: "
+          f"return {mean('return'):.1f}")
+    print(f"values: critic {mean('value_mean'):.2f} against the real discounted return {mean('real_return_mean'):.2f}")
+    print(f"open loop, {args.horizon} steps with the real actions: predicted reward sum "
+          f"{mean('open_loop_reward_sum'):.3f} against real {mean('real_reward_sum'):.3f}")
+    print(f"imagination against reality: {mean('imagined_reward_per_step'):.4f} reward per step imagined, "
+          f"{mean('real_reward_per_step'):.4f} earned")
+    print(f"actor: entropy {mean('actor_entropy'):.2f}"
+          + (f", std {mean('actor_std_mean'):.3f}" if not layout.discrete else "")
+          + f"; return scale {summary['return_scale']:.3f}")
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
