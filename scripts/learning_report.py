@@ -174,8 +174,8 @@ def report(runs: list[Run], points: list[float], plots: Path, title_link: str) -
     for point in points:
         judged = [v for v in verdicts[point] if v is not None]
         summary.append(f"- at {_frames(point)} frames: **{sum(judged)} of {len(judged)}** tasks meet the bar"
-                       + (f" ({len(verdicts[point]) - len(judged)} not judged: a seed short of the point or no "
-                          f"reference)" if len(judged) < len(verdicts[point]) else ""))
+                       + (f" ({len(verdicts[point]) - len(judged)} not judged: a seed short of the point or without "
+                          f"a value at it yet, or no reference)" if len(judged) < len(verdicts[point]) else ""))
     body = [*summary, "", *lines, ""]
     body += [f"![{image.stem}]({title_link}/{image.name})" for image in images]
     return "\n".join(body) + "\n"

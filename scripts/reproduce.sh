@@ -32,6 +32,9 @@
 #                                             # this machine's disk: chain the commands on one machine.
 #   bash scripts/reproduce.sh learn-smoke     # the same chain on the CPU in minutes: 1 task x 3 seeds, smoke size
 #
+# MPS=1 before any group runs it under CUDA's multi-process service (learn-dmc: on unless MPS=0), e.g.
+#   MPS=1 bash scripts/reproduce.sh minecraft  # the trainer and its inference server at once on one GPU
+#
 # Each group fits in one 10-minute command on an H200 (compile and capture warm-up included; torchrl's
 # scan configuration alone warms up for about 4 minutes at 32 x 256). Each variant runs under its own
 # time limit and reports one JSON line, or how long it ran without finishing.
@@ -40,6 +43,22 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+
+# MPS=1: the group's processes share the GPU through CUDA's multi-process service, so that the kernels of
+# several processes (runs side by side; a trainer and its inference server) run at once instead of taking
+# turns. learn-dmc's default (LEARN_MPS, its older name, is read too); MPS=0 turns it off.
+start_mps() {
+  command -v nvidia-cuda-mps-control >/dev/null ||
+    { echo "error: nvidia-cuda-mps-control is not installed; rerun with MPS=0"; exit 1; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/dreamer-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dreamer-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "error: CUDA's MPS daemon did not start; rerun with MPS=0"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  echo "CUDA MPS on (its daemon quits when this script ends)"
+}
+mps_default=0
+[ "${1:-}" = learn-dmc ] && mps_default=1
+[ "${MPS:-${LEARN_MPS:-$mps_default}}" = 1 ] && start_mps
 
 case "${1:-}" in
   learner-1m | learner-12m | learner-50m | learner-200m)
@@ -136,11 +155,11 @@ case "${1:-}" in
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
   learn-dmc | learn-smoke)
-    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (LEARN_MPS below); runs go
+    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
-    mps=0 parallel=1
+    parallel=1
     if [ "$1" = learn-dmc ]; then
-      mps=1 parallel=3  # one H200: 3 runs at once under MPS made 1.61 x the updates of one alone (BENCHMARKS.md)
+      parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
       set_args=(--steps 100000 --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
       points=50000,100000
@@ -151,17 +170,6 @@ case "${1:-}" in
       points=200,400
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
-    if [ "${LEARN_MPS:-$mps}" = 1 ]; then
-      # LEARN_MPS=1 (learn-dmc's default; LEARN_MPS=0 turns it off): runs side by side share the GPU
-      # through CUDA's multi-process service, so that their kernels run at once instead of taking turns
-      # (a size1m update leaves most of the GPU idle).
-      command -v nvidia-cuda-mps-control >/dev/null ||
-        { echo "error: nvidia-cuda-mps-control is not installed; rerun with LEARN_MPS=0"; exit 1; }
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/dreamer-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dreamer-mps/log
-      mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-      nvidia-cuda-mps-control -d || { echo "error: CUDA's MPS daemon did not start; rerun with LEARN_MPS=0"; exit 1; }
-      trap 'echo quit | nvidia-cuda-mps-control' EXIT
-    fi
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
       --parallel "${LEARN_PARALLEL:-$parallel}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if [ "${LEARN_DIAGNOSE:-0}" = 1 ]; then  # each run's beliefs against an episode (scripts/diagnose_learning.py)
@@ -178,7 +186,7 @@ case "${1:-}" in
     $PY scripts/bench_envs.py --suite crafter --workers 1,16,64 --seconds 6 | tee "$OUT/envs-crafter.txt"
     ;;
   *)
-    sed -n '2,31p' "$0"
+    sed -n '2,/^# MPS=1 before/p' "$0"
     exit 2
     ;;
 esac
