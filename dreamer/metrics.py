@@ -366,7 +366,10 @@ def run_summary(run_dir: Path, total_steps: int, ending: str) -> str:
     returns = [r["episode/return"] for r in records if r["kind"] == "train" and "episode/return" in r]
     if returns:
         lines.append(f"  training return (the last record's episodes): {returns[-1]:.2f}")
-    lines.append(f"  command: python -m dreamer.train {' '.join(overrides)}".rstrip())
+    command = f"python -m dreamer.train {' '.join(overrides)}".rstrip()
+    if run_dir.resolve() != (Path("runs") / name).resolve():  # a sweep's job, or a folder named by hydra.run.dir:
+        command += f" hydra.run.dir={run_dir}"  # the command that resumes this folder says so
+    lines.append(f"  command: {command}")
     lines.append(f"  folder: {run_dir}")
     return "\n".join(f"dreamer: {line}" for line in lines)
 

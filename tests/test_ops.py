@@ -70,6 +70,9 @@ def test_a_joblib_sweep_makes_one_run_folder_per_job_and_a_summary(workdir):
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(list((workdir / "runs" / "sweeps").iterdir())) == 1
     assert again.stdout.count("already finished") == 2, again.stdout[-3000:]
+    # Each job's closing summary gives the command that resumes that job's folder on its own.
+    assert f"command: python -m dreamer.train +debug=smoke seed=1 run.eval_every=0 run.steps=128 " \
+           f"hydra.run.dir={sweep / '1'}\n" in again.stdout, again.stdout[-3000:]
 
     plot = _python([str(ROOT / "scripts" / "plot.py"), str(sweep / "0"), str(sweep / "1"), "--out", "c.png",
                     "--metric", "eval/return_mean"], workdir)
