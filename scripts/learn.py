@@ -4,7 +4,9 @@
         --seeds 0,1,2 --steps 100000 [--parallel 1] [--seconds 540] [OVERRIDE ...]
 
 Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
-`DIR/<task>-seed<seed>`, with the overrides given after the options. Up to `--parallel` runs go at once
+`DIR/<task>-seed<seed>`, with the overrides given after the options. `--variant NAME:OVERRIDES` (repeatable)
+runs each task and seed once per variant, with the variant's overrides last, in `DIR/<task>-seed<seed>-<NAME>`
+(its `variant` file names it, and the report and plots keep variants apart): an A/B on the same seeds. Up to `--parallel` runs go at once
 (on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by side made 122 updates/s
 together against 134 for one alone, as their CUDA contexts take turns; under CUDA's multi-process service,
 which `reproduce.sh learn-dmc` starts, three made 215 and six 315, BENCHMARKS.md); runs start in seed-major order, so
@@ -24,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -65,6 +69,9 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("--seconds", type=float, default=540, help="this command's budget; SIGINT to all at its end")
     parser.add_argument("--min-start", type=float, default=150, help="no run starts with less time than this left")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
+                        help="a variant of every run: its name, a colon, then overrides separated by spaces "
+                             "(repeat the option for more; each task x seed runs once per variant)")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("overrides", nargs="*", help="more overrides for every run (e.g. run.log_every=2000)")
     args = parser.parse_args()
@@ -75,11 +82,29 @@ def main() -> int:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if not tasks or not seeds or args.parallel < 1 or args.steps < 1:
         parser.error("give at least one task and one seed, --parallel >= 1 and --steps >= 1")
+    variants: list[tuple[str, tuple[str, ...]]] = []
+    for given in args.variant:
+        name, _, overrides = given.partition(":")
+        if not re.fullmatch(r"[A-Za-z0-9_.=-]+", name) or not overrides.strip():
+            parser.error(f"--variant must be NAME:OVERRIDES with a name of letters, digits and _.=- and at least "
+                         f"one override, got {given!r}")
+        variants.append((name, tuple(shlex.split(overrides))))
+    if len({name for name, _ in variants}) < len(variants):
+        parser.error("two --variant options have the same name")
     deadline = time.monotonic() + args.seconds
     logs = args.dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    jobs = [(task, seed) for seed in seeds for task in tasks]
-    waiting = [job for job in jobs if not frames_reached(args.dir / f"{job[0]}-seed{job[1]}")[1]]
+    jobs = [(task, seed, variant) for seed in seeds for task in tasks for variant in (variants or [None])]
+
+    def folder_of(job) -> Path:
+        task, seed, variant = job
+        return args.dir / (f"{task}-seed{seed}" + (f"-{variant[0]}" if variant else ""))
+
+    def label(job) -> str:
+        task, seed, variant = job
+        return f"{task} seed {seed}" + (f" [{variant[0]}]" if variant else "")
+
+    waiting = [job for job in jobs if not frames_reached(folder_of(job))[1]]
     print(f"[learn] {len(jobs) - len(waiting)} of {len(jobs)} runs finished; {len(waiting)} to go, "
           f"{args.parallel} at a time, {args.seconds:.0f} s", flush=True)
     running: dict[tuple, subprocess.Popen] = {}
@@ -88,19 +113,22 @@ def main() -> int:
     while waiting or running:
         now = time.monotonic()
         while waiting and len(running) < args.parallel and deadline - now > args.min_start and not stopping:
-            task, seed = waiting.pop(0)
-            folder = args.dir / f"{task}-seed{seed}"
+            job = waiting.pop(0)
+            task, seed, variant = job
+            folder = folder_of(job)
             folder.mkdir(parents=True, exist_ok=True)
             with (folder / "commit").open("a") as handle:
                 handle.write(head + "\n")
+            if variant:  # the report and plots group runs by it (scripts/plot.py's load_run)
+                (folder / "variant").write_text(variant[0] + "\n")
             steps, _ = frames_reached(folder)
             command = [args.python, "-m", "dreamer.train", f"+exp={args.preset}", f"env.task={task}", f"seed={seed}",
-                       f"run.steps={args.steps}", f"hydra.run.dir={folder.resolve()}", *args.overrides]
-            print(f"[learn] {task} seed {seed}: {'resumes at ' + format(steps, ',') if steps else 'starts'}",
-                  flush=True)
-            log = (logs / f"{task}-seed{seed}.log").open("a")
-            running[(task, seed)] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                       f"run.steps={args.steps}", f"hydra.run.dir={folder.resolve()}", *args.overrides,
+                       *(variant[1] if variant else [])]
+            print(f"[learn] {label(job)}: {'resumes at ' + format(steps, ',') if steps else 'starts'}", flush=True)
+            log = (logs / f"{folder.name}.log").open("a")
+            running[job] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
             log.close()
         if not running:
             break  # too little time left to start another
@@ -115,12 +143,12 @@ def main() -> int:
         for job, process in list(running.items()):
             if process.poll() is not None:
                 del running[job]
-                steps, done = frames_reached(args.dir / f"{job[0]}-seed{job[1]}")
+                steps, done = frames_reached(folder_of(job))
                 state = "finished" if done else ("stopped to resume" if process.returncode == 0 else
                                                  f"exited with code {process.returncode} (see its log)")
-                print(f"[learn] {job[0]} seed {job[1]}: {state} at {steps:,} env steps", flush=True)
+                print(f"[learn] {label(job)}: {state} at {steps:,} env steps", flush=True)
         time.sleep(1)
-    finished = sum(frames_reached(args.dir / f"{task}-seed{seed}")[1] for task, seed in jobs)
+    finished = sum(frames_reached(folder_of(job))[1] for job in jobs)
     print(f"[learn] {finished} of {len(jobs)} runs finished"
           + ("" if finished == len(jobs) else "; run the same command again to go on"), flush=True)
     return 0

@@ -155,7 +155,7 @@ case "${1:-}" in
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
   learn-dmc | learn-smoke)
-    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL override the set (MPS: see start_mps); runs go
+    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
     parallel=1
     if [ "$1" = learn-dmc ]; then
@@ -170,8 +170,11 @@ case "${1:-}" in
       points=200,400
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
+    variants=()  # LEARN_VARIANTS="name:overrides|name:overrides": an A/B of every task and seed (learn.py --variant)
+    IFS='|' read -r -a given <<< "${LEARN_VARIANTS:-}"
+    for variant in "${given[@]}"; do [ -n "$variant" ] && variants+=(--variant "$variant"); done
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
-      --parallel "${LEARN_PARALLEL:-$parallel}" "${set_args[@]}" | tee -a "$OUT/$1.log"
+      --parallel "${LEARN_PARALLEL:-$parallel}" "${variants[@]}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if [ "${LEARN_DIAGNOSE:-0}" = 1 ]; then  # each run's beliefs against an episode (scripts/diagnose_learning.py)
       for run in "$OUT/$1"/*/; do
         [ -d "$run/checkpoints" ] && { $PY scripts/diagnose_learning.py "$run" --episodes 1 || true; }

@@ -116,3 +116,34 @@ def test_the_diagnosis_compares_the_models_beliefs_with_an_episode(learned, tmp_
     refused = subprocess.run([sys.executable, "scripts/diagnose_learning.py", str(empty)], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no checkpoint" in refused.stderr
+
+
+def test_variants_run_each_seed_once_per_variant_and_the_report_keeps_them_apart(tmp_path):
+    """An A/B on one seed: each variant's overrides reach its run, the folders and the report's groups are
+    the variants'; a malformed --variant is one line."""
+    import yaml
+
+    folder = tmp_path / "ab"
+    done = subprocess.run(
+        [sys.executable, "scripts/learn.py", "--dir", str(folder), "--preset", "dmc_proprio", "--tasks",
+         "cartpole_balance", "--seeds", "0", "--steps", "400", "--parallel", "2", "--seconds", "600",
+         "--min-start", "10", "--variant", "low:loss.entropy=1e-4", "--variant", "high:loss.entropy=1e-2 seed=0",
+         "+debug=smoke", "run.log_every=100", "run.eval_every=0", "run.compile=false", "logger.wandb=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cartpole_balance seed 0 [low]: finished" in done.stdout and "2 of 2 runs finished" in done.stdout
+    for name, entropy in (("low", 1e-4), ("high", 1e-2)):
+        run = folder / f"cartpole_balance-seed0-{name}"
+        assert (run / "variant").read_text().strip() == name
+        assert yaml.safe_load((run / "config.yaml").read_text())["loss"]["entropy"] == entropy
+    out = tmp_path / "LEARNING.md"
+    made = subprocess.run([sys.executable, "scripts/learning_report.py", str(folder), "--out", str(out),
+                           "--frames", "200"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    text = out.read_text()
+    assert "| **dmc cartpole_balance proprio high** | mean of 1 |" in text
+    assert "| **dmc cartpole_balance proprio low** | mean of 1 |" in text
+    bad = subprocess.run([sys.executable, "scripts/learn.py", "--dir", str(folder), "--preset", "dmc_proprio",
+                          "--tasks", "cartpole_balance", "--steps", "200", "--variant", "no overrides"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--variant must be NAME:OVERRIDES" in bad.stderr.strip().splitlines()[-1]
