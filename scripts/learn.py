@@ -85,8 +85,8 @@ def main() -> int:
     variants: list[tuple[str, tuple[str, ...]]] = []
     for given in args.variant:
         name, _, overrides = given.partition(":")
-        if not re.fullmatch(r"[A-Za-z0-9_.=-]+", name) or not overrides.strip():
-            parser.error(f"--variant must be NAME:OVERRIDES with a name of letters, digits and _.=- and at least "
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not overrides.strip():
+            parser.error(f"--variant must be NAME:OVERRIDES with a name of letters, digits and _.- and at least "
                          f"one override, got {given!r}")
         variants.append((name, tuple(shlex.split(overrides))))
     if len({name for name, _ in variants}) < len(variants):
