@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     except (checkpoint.CheckpointError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     env = make_env(cfg.env, cfg.seed + 3_000_000)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     agent = build_agent(layout, settings.size, settings.loss)
