@@ -177,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{len(results)} episodes from {path.name} (env step {state['step']:,}), sampled actions: "
           f"return {mean('return'):.1f}")
-    print(f"values: critic {mean('value_mean'):.2f} against the real discounted return {mean('real_return_mean'):.2f}")
+    if any("value_mean" in r for r in results):
+        print(f"values: critic {mean('value_mean'):.2f} against the real discounted return "
+              f"{mean('real_return_mean'):.2f}")
+    else:  # e.g. a 1,000-frame episode at action repeat 2 has 500 steps
+        print(f"values: not compared (no episode has a state {DISCOUNT_TAIL} steps before its end, where the "
+              f"real discounted return is cut off by under 12 %)")
     print(f"open loop, {args.horizon} steps with the real actions: predicted reward sum "
           f"{mean('open_loop_reward_sum'):.3f} against real {mean('real_reward_sum'):.3f}")
     print(f"imagination against reality: {mean('imagined_reward_per_step'):.4f} reward per step imagined, "

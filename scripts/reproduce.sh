@@ -171,6 +171,11 @@ case "${1:-}" in
     fi
     export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
     variants=()  # LEARN_VARIANTS="name:overrides|name:overrides": an A/B of every task and seed (learn.py --variant)
+    # Several runs at once collect inline: the worker source's 16 processes and server per run took 100 to
+    # 170 s after each command's warm-up to reach speed with six runs on one H200 (inline: 3 s), and in the
+    # same 480 s an inline run made 14 % more updates (BENCHMARKS.md, "start-up"); one run alone keeps the
+    # preset's worker source (its learner is busier).
+    [ "${LEARN_PARALLEL:-$parallel}" -gt 1 ] && set_args+=(run.collect=inline)
     IFS='|' read -r -a given <<< "${LEARN_VARIANTS:-}"
     for variant in "${given[@]}"; do [ -n "$variant" ] && variants+=(--variant "$variant"); done
     $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \

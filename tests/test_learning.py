@@ -110,6 +110,7 @@ def test_the_diagnosis_compares_the_models_beliefs_with_an_episode(learned, tmp_
     assert 0 < episode["actor_std_mean"] <= 1.0 and result["return_scale"] >= 1.0
     assert "value_mean" not in episode  # 100-step episodes: no state is 700 steps from its end
     assert "imagination against reality" in done.stdout
+    assert "values: not compared" in done.stdout and "nan" not in done.stdout
     empty = tmp_path / "run"
     empty.mkdir()
     (empty / "config.yaml").write_text("seed: 0\n")
