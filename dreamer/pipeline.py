@@ -259,6 +259,7 @@ class WorkerSource(Source):
         self.envs = cfg.run.envs
         self.inference = self.pool = self.ingest = None
         self.times = StepTimes()
+        self._started: float | None = None
 
     def start(self) -> None:
         """The server (started), then the workers and the ingest thread. CollectionError, one line, when
@@ -270,6 +271,7 @@ class WorkerSource(Source):
 
         cfg = self.cfg
         own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and self.device.type == "cuda")
+        began = time.monotonic()
         self.inference = Inference(self.policy, self.layout, self.size, self.envs, self.device, self.cudagraph,
                                    batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
         try:
@@ -284,18 +286,25 @@ class WorkerSource(Source):
             inference.forget_slot(stream)
             replay.end_stream(stream)
 
+        served = time.monotonic()
         self.pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, self.layout, self.size,
                                inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
                                stall_seconds=cfg.run.worker_stall_s).start()
         # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
         self.ingest = Ingest(self.pool, replay, alive=lambda: inference.alive,
                              max_pending=self.envs * cfg.run.chunk).start()
+        self._started = time.monotonic()  # until every worker has stepped: see gather
         if self.announce:
             self.announce(f"dreamer: {self.envs} env worker processes, inference server on {self.device} "
-                          f"({'its own process' if own_process else 'a thread'})")
+                          f"({'its own process' if own_process else 'a thread'}, ready in {served - began:.1f} s)")
 
     def gather(self, timeout: float = 1.0) -> tuple[int, list[Episode]]:
         self.inference.check()  # here too: before the loop's next weight sync meets a dead server
+        if self._started is not None and all(self.pool.stepped):  # the start-up's cost, said once
+            if self.announce:
+                self.announce(f"dreamer: all {self.envs} env workers stepping {time.monotonic() - self._started:.1f} s "
+                              f"after their start")
+            self._started = None
         return self.ingest.take(timeout=timeout)  # the chunks are added to replay by the ingest thread
 
     def synced(self, updates: int) -> None:

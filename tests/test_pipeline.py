@@ -180,7 +180,8 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
                        workdir, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     where = "its own process" if service == "process" else "a thread"
-    assert f"4 env worker processes, inference server on cpu ({where})" in result.stdout
+    assert f"4 env worker processes, inference server on cpu ({where}, ready in " in result.stdout
+    assert result.stdout.count("all 4 env workers stepping ") == 1  # the start-up's cost, said once
     records = [json.loads(line) for line in (workdir / "runs" / "workers" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
