@@ -181,6 +181,7 @@ RANGES = (
         "head_layers", "actor_layers", "critic_layers", "imag_layers", "obs_layers", "dyn_layers", "kernel")),
 )
 CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "auto"),
+           "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True)}

@@ -260,6 +260,9 @@ class WorkerSource(Source):
         self.inference = self.pool = self.ingest = None
         self.times = StepTimes()
         self._started: float | None = None
+        from dreamer.workers import worker_context
+
+        worker_context(cfg.env.suite, cfg.run.worker_start)  # a fork server imports during the warm-up
 
     def start(self) -> None:
         """The server (started), then the workers and the ingest thread. CollectionError, one line, when
@@ -289,7 +292,7 @@ class WorkerSource(Source):
         served = time.monotonic()
         self.pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, self.layout, self.size,
                                inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
-                               stall_seconds=cfg.run.worker_stall_s).start()
+                               stall_seconds=cfg.run.worker_stall_s, start_method=cfg.run.worker_start).start()
         # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
         self.ingest = Ingest(self.pool, replay, alive=lambda: inference.alive,
                              max_pending=self.envs * cfg.run.chunk).start()

@@ -3,12 +3,14 @@
 Two mechanisms, because each covers what the other cannot:
 
 - Every child of the trainer (env workers, the inference server) calls `bind(trainer)` first: the
-  kernel sends it SIGKILL when the trainer dies (PR_SET_PDEATHSIG), however the trainer dies and
+  kernel sends it SIGKILL when its parent dies (PR_SET_PDEATHSIG), however the parent dies and
   whoever adopts the child afterwards (pid 1, a subreaper such as `tini -s` or a systemd user
-  session). The signal fires when the *thread* that started the child exits, so children are only
-  started from threads that live as long as the run (the main thread, the worker pool's own thread).
-  A child whose trainer died before the request took effect sees a different parent and exits.
-  SIGKILL also ends a stopped child. `trainer_gone()` is the same test for a child's waiting loops.
+  session). The parent is the trainer, or for env workers the trainer's fork server (multiprocessing's
+  forkserver, `dreamer.workers`), which exits when the trainer has died (its end of the server's pipe
+  closes). The signal fires when the *thread* that started the child exits, so the trainer starts
+  children only from threads that live as long as the run (the main thread, the worker pool's own
+  thread). A child whose parent died before the request took effect sees a different parent and
+  exits. SIGKILL also ends a stopped child. `trainer_gone()` is the same test for a child's waiting loops.
 
 - multiprocessing's spawn context makes named POSIX semaphores (`/dev/shm/sem.mp-*`), which only
   their finalizers or multiprocessing's resource tracker unlink. `kill -9` of the trainer's process
@@ -37,7 +39,7 @@ import sys
 PR_SET_PDEATHSIG = 1
 SHM = "/dev/shm"
 
-_trainer: int | None = None  # in a child: the pid of the trainer that started it
+_parent: int | None = None  # in a child: its parent (the trainer, or the trainer's fork server)
 _reaper: tuple[int, subprocess.Popen] | None = None  # in the trainer: (its pid, the reaper)
 
 
@@ -52,18 +54,27 @@ def _name_semaphores(trainer: int) -> None:
 
 def bind(trainer: int) -> None:
     """In a child of the trainer, before anything else: die with the trainer (module docstring)."""
-    global _trainer
-    _trainer = trainer
+    global _parent
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != trainer:  # it died before the request took effect: no signal will come
-        os._exit(0)
+    parent = os.getppid()
+    if parent != trainer and _parent_of(parent) != trainer:  # it died before the request took effect:
+        os._exit(0)                                           # no signal will come
+    _parent = parent
     _name_semaphores(trainer)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def trainer_gone() -> bool:
     """In a child bound to its trainer: whether the trainer has died (the child was adopted)."""
-    return _trainer is not None and os.getppid() != _trainer
+    return _parent is not None and os.getppid() != _parent
 
 
 def guard() -> None:

@@ -110,8 +110,41 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
             collector.close()
 
 
+def worker_context(suite: str, method: str = "forkserver"):
+    """The multiprocessing context of the env workers (`run.worker_start`). forkserver: workers fork from
+    a server process that imported their modules once (multiprocessing's forkserver, started at the first
+    call), where spawned ones import torch, tensordict, torchrl and their suite afresh (about 4 s of CPU
+    apiece, 16 per run, 64 for Minecraft) and hold their own copies of them; spawn where the platform has
+    no fork server. The fork server is the trainer's child and exits when the trainer
+    has died; workers die with it (`dreamer.reaper`). Call it early (the learner's warm-up) to have the
+    server's imports done by the time the workers start."""
+    if method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    from dreamer.envs import SUITES
+
+    context = multiprocessing.get_context("forkserver")
+    # A worker still runs the trainer's main module (`python -m dreamer.train`: its imports are these, and
+    # about 0.2 s more); naming that module here would import it twice in the worker.
+    context.set_forkserver_preload(["__main__", __name__, f"dreamer.envs.{SUITES.get(suite, 'gym')}"])
+    from multiprocessing import forkserver
+
+    # The server ignores SIGTERM (inherited through its exec; it already ignores SIGINT): a signal to the
+    # trainer's process group must leave the workers to the trainer, which saves first (see _worker_main).
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: the server starts as it is
+        previous = None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return context
+
+
 class WorkerPool:
-    """`len(clients)` env worker processes (spawned), their chunk pipes, and their restarts.
+    """`len(clients)` env worker processes (forked from `worker_context`'s server), their chunk pipes,
+    and their restarts.
 
     `on_restart(stream)` runs in the caller of `receive` before a dead worker's replacement starts (the
     replay stream is ended there, and the inference slot cleared). A worker that takes no step for
@@ -125,14 +158,15 @@ class WorkerPool:
 
     def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
                  chunk: int = 64, suite: str = "env", max_restarts: int = 10,
-                 on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0):
+                 on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0,
+                 start_method: str = "forkserver"):
         reaper.guard()  # before the pool makes its first semaphores
         self.args = (env_cfg, seed, layout, size)
         self.clients, self.chunk, self.suite, self.max_restarts = clients, chunk, suite, max_restarts
         self.on_restart = on_restart
         self.stall_seconds = stall_seconds
         self.stalls = 0  # workers killed for taking no step in stall_seconds
-        self.context = multiprocessing.get_context("spawn")
+        self.context = worker_context(suite, start_method)
         self.stop = self.context.Event()
         n = len(clients)
         self.processes: list = [None] * n

@@ -173,11 +173,11 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
         inference.close()
 
 
-@pytest.mark.parametrize("service", ["thread", "process"])
-def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, service):
+@pytest.mark.parametrize("service,start", [("thread", "forkserver"), ("process", "spawn")])
+def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, service, start):
     result = run_train(["+debug=smoke", "run.name=workers", "run.collect=workers", "run.envs=4", "run.chunk=16",
-                        "run.steps=384", "run.train_start=192", "run.sync_every=2", f"run.inference={service}"],
-                       workdir, timeout=600)
+                        "run.steps=384", "run.train_start=192", "run.sync_every=2", f"run.inference={service}",
+                        f"run.worker_start={start}"], workdir, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     where = "its own process" if service == "process" else "a thread"
     assert f"4 env worker processes, inference server on cpu ({where}, ready in " in result.stdout
