@@ -143,8 +143,8 @@ def worker_context(suite: str, method: str = "forkserver"):
 
 
 class WorkerPool:
-    """`len(clients)` env worker processes (forked from `worker_context`'s server), their chunk pipes,
-    and their restarts.
+    """`len(clients)` env worker processes (started as `worker_context` says), their chunk pipes, and
+    their restarts.
 
     `on_restart(stream)` runs in the caller of `receive` before a dead worker's replacement starts (the
     replay stream is ended there, and the inference slot cleared). A worker that takes no step for
