@@ -25,6 +25,9 @@
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
+#   bash scripts/reproduce.sh startup         # the worker source's start-up and memory, spawned against forked
+#                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
+#                                             # with 16 workers, emulated Minecraft with 64
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio, 6 tasks x 3 seeds to 100K frames,
 #                                             # three runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
@@ -188,6 +191,13 @@ case "${1:-}" in
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
       $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
     fi
+    ;;
+  startup)
+    export MUJOCO_GL=${MUJOCO_GL:-disabled}  # proprio needs no renderer
+    $PY scripts/bench_startup.py --envs 16 -- +exp=dmc_proprio run.compile=false run.steps=10000000 \
+      | tee "$OUT/startup-dmc.txt"
+    $PY scripts/bench_startup.py --envs 64 -- +exp=minecraft env=emulated run.compile=false run.steps=100000000 \
+      | tee "$OUT/startup-minecraft.txt"
     ;;
   envs)
     $PY scripts/bench_envs.py --suite emulated --workers 1,16,64 --seconds 6 | tee "$OUT/envs-emulated.txt"

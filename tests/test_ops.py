@@ -123,6 +123,21 @@ def test_benchmark_and_baseline_scripts_run(workdir):
     assert baseline.returncode == 0 and "random policy mean return" in baseline.stdout
 
 
+def test_the_startup_benchmark_measures_both_ways_of_starting_workers(workdir):
+    """Both methods start the application's workers (their processes are found and measured: the fork
+    server's run has one process more), the ratio line follows; times are not checked."""
+    bench = _python([str(ROOT / "scripts" / "bench_startup.py"), "--envs", "2", "--settle", "1", "--",
+                     "+exp=emulated", "+debug=smoke", "env.step_latency=0.001", "run.inference=thread"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:] + bench.stdout[-2000:]
+    lines = bench.stdout.strip().splitlines()
+    rows = [json.loads(line) for line in lines[:2]]
+    assert [(r["method"], r["processes"]) for r in rows] == [("spawn", 2), ("forkserver", 3)]
+    assert all(r["all_stepping_s"] >= 0 and r["pss_mb"] > 0 for r in rows)  # its line was read
+    assert lines[2].startswith("forkserver against spawn: start-up ")
+    refused = _python([str(ROOT / "scripts" / "bench_startup.py"), "--methods", "fork"], workdir)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_learner_benchmark_runs_on_cpu(workdir):
     """Both variants run in their own processes and the ratio line follows (timings are not checked);
     --parallel starts torchrl's after ours and checks its timed phase against the others side by side."""
