@@ -69,6 +69,7 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
     # the whole process group must not kill the workers under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked in the fork server (worker_context)
     torch.set_num_threads(1)
     cfg = OmegaConf.create(env_cfg)
     collector = None
@@ -128,17 +129,14 @@ def worker_context(suite: str, method: str = "forkserver"):
     context.set_forkserver_preload(["__main__", __name__, f"dreamer.envs.{SUITES.get(suite, 'gym')}"])
     from multiprocessing import forkserver
 
-    # The server ignores SIGTERM (inherited through its exec; it already ignores SIGINT): a signal to the
-    # trainer's process group must leave the workers to the trainer, which saves first (see _worker_main).
-    try:
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    except ValueError:  # not the main thread: the server starts as it is
-        previous = None
+    # The server starts with SIGTERM blocked (the calling thread's mask passes through its exec; it ignores
+    # SIGINT itself): a signal to the trainer's process group must leave the workers to the trainer, which
+    # saves first (see _worker_main). Blocked, not ignored: one arriving meanwhile still reaches the trainer.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         forkserver.ensure_running()
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return context
 
 

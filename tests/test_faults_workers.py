@@ -281,7 +281,10 @@ def test_a_killed_inference_server_stops_the_run_with_one_line_a_checkpoint_and_
     _until(lambda: not _left(run), 30, "the run's processes end")
 
 
-def test_sigterm_with_a_stopped_worker_saves_and_exits_leaving_no_process(tmp_path):
+@pytest.mark.parametrize("to", ["trainer", "group"])
+def test_sigterm_with_a_stopped_worker_saves_and_exits_leaving_no_process(tmp_path, to):
+    """SIGTERM to the trainer, or to its whole process group (the fork server, the server and the workers
+    too: none of them may end before the trainer has saved)."""
     run_dir = tmp_path / "runs" / "faults"
     with open(tmp_path / "output", "w") as out:
         trainer = subprocess.Popen([sys.executable, "-m", "dreamer.train", *RUN], cwd=tmp_path, env=_environment(),
@@ -293,10 +296,11 @@ def test_sigterm_with_a_stopped_worker_saves_and_exits_leaving_no_process(tmp_pa
         run = _descendants(trainer.pid)
         os.kill(max(_workers(run), key=lambda pid: int(_stat(pid)[19])), signal.SIGSTOP)  # a worker
         time.sleep(1.0)
-        trainer.send_signal(signal.SIGTERM)
+        (trainer.send_signal if to == "trainer" else lambda sig: os.killpg(trainer.pid, sig))(signal.SIGTERM)
         code = trainer.wait(timeout=90)  # one signal is enough: nothing waits on the stopped worker
         output = (tmp_path / "output").read_text()
         assert code == 0 and "SIGTERM received; saved at" in output, output[-3000:]
+        assert "died" not in output and "restart" not in output, output[-3000:]
         assert list((run_dir / "checkpoints").glob("ckpt-*.pt"))
         _until(lambda: not _left(run), 30, "the run's processes end")
     finally:
