@@ -143,6 +143,54 @@ def load_weights(module: torch.nn.Module, state: dict, path: Path, config: Path)
                           "the config.yaml of the run that wrote it")
 
 
+EVAL_SEED = 2_000_000  # added to the run's seed: the evaluation's env draws none of training's episodes
+
+
+class RunError(Exception):
+    """A run folder, its config or its checkpoint that cannot be loaded; the message is one line."""
+
+
+def load_run(run_dir: Path, checkpoint_path: Path | None, seed_offset: int, device: str | None = None):
+    """A run folder's agent with the weights of `checkpoint_path` (default: its newest checkpoint), built on
+    `device` (default: the run's learner device), and an env of its config seeded `seed + seed_offset`.
+
+    Returns (cfg, settings, state, path, env, layout, agent); RunError says what is wrong and what to do.
+    """
+    from omegaconf import OmegaConf
+
+    from dreamer import checkpoint
+    from dreamer.agent import EnvLayout, build_agent
+    from dreamer.config import ConfigError, validate
+    from dreamer.envs import make_env
+
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise RunError(f"{run_dir} is not a run folder (no config.yaml); pass the folder a training run wrote")
+    path = checkpoint_path or next(reversed(checkpoint.list_checkpoints(run_dir)), None)
+    if path is None:
+        raise RunError(f"{run_dir} has no checkpoint yet (none in {checkpoint.folder(run_dir)}); "
+                       "train longer or pass --checkpoint PATH")
+    try:
+        state = checkpoint.load(path)
+        try:
+            cfg = OmegaConf.load(config)
+        except Exception as error:  # a YAML syntax error: the file was edited by hand
+            raise ConfigError(f"{config} is not readable YAML ({str(error).splitlines()[0]})") from None
+        settings = validate(cfg)
+    except (checkpoint.CheckpointError, ConfigError) as error:
+        raise RunError(str(error)) from None
+    env = make_env(cfg.env, cfg.seed + seed_offset)
+    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
+    with torch.device(device or settings.topology.learner):
+        agent = build_agent(layout, settings.size, settings.loss)
+    try:
+        load_weights(agent.loss, state, path, config)
+    except checkpoint.CheckpointError as error:
+        env.close()
+        raise RunError(str(error)) from None
+    return cfg, settings, state, path, env, layout, agent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dreamer.evaluate", description=__doc__.splitlines()[2])
     parser.add_argument("run_dir", type=Path)
@@ -152,49 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("torchrl").setLevel(logging.WARNING)
 
-    from omegaconf import OmegaConf
-
-    from dreamer import checkpoint
-    from dreamer.agent import EnvLayout, build_agent
-    from dreamer.config import ConfigError, validate
     from dreamer.envs import make_env
 
-    run_dir = args.run_dir
-    config = run_dir / "config.yaml"
-    if not config.is_file():
-        print(f"error: {run_dir} is not a run folder (no config.yaml); pass the folder a training run wrote",
-              file=sys.stderr)
-        return 2
-    path = args.checkpoint or next(reversed(checkpoint.list_checkpoints(run_dir)), None)
-    if path is None:
-        print(f"error: {run_dir} has no checkpoint yet (none in {checkpoint.folder(run_dir)}); "
-              "train longer or pass --checkpoint PATH", file=sys.stderr)
-        return 2
     if args.episodes < 1:
         print(f"error: --episodes must be at least 1, got {args.episodes}", file=sys.stderr)
         return 2
+    run_dir = args.run_dir
     try:
-        state = checkpoint.load(path)
-        try:
-            cfg = OmegaConf.load(config)
-        except Exception as error:  # a YAML syntax error: the file was edited by hand
-            raise ConfigError(f"{config} is not readable YAML ({str(error).splitlines()[0]})") from None
-        settings = validate(cfg)
-    except (checkpoint.CheckpointError, ConfigError) as error:
+        loaded = load_run(run_dir, args.checkpoint, EVAL_SEED)
+    except RunError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    cfg, settings, state, path, env, layout, agent = loaded
     device = settings.topology.learner
-    env = make_env(cfg.env, cfg.seed + 2_000_000)
-    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
-    with torch.device(device):
-        agent = build_agent(layout, settings.size, settings.loss)
-    try:
-        load_weights(agent.loss, state, path, config)
-    except checkpoint.CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 2_000_000), agent.policy, layout,
+    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED), agent.policy, layout,
                           settings.size, device, explore=False, suite=cfg.env.suite)
     finished, frames, first = run_with_frames(collector, args.episodes)
     collector.close()

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchrl.modules.models.model_based import _default_bins, two_hot_decode  # noqa: E402
 
+SEED = 3_000_000  # added to the run's seed: the diagnosis's env draws neither training's nor evaluation's episodes
 DISCOUNT_TAIL = 700  # steps before an episode's end a state must be for the value check
 
 
@@ -116,44 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("torchrl").setLevel(logging.WARNING)
 
-    from omegaconf import OmegaConf
-
-    from dreamer import checkpoint
-    from dreamer.agent import EnvLayout, build_agent
     from dreamer.collect import Collector
-    from dreamer.config import ConfigError, validate
     from dreamer.envs import make_env
-    from dreamer.evaluate import load_weights
+    from dreamer.evaluate import RunError, load_run
 
-    config = args.run_dir / "config.yaml"
-    if not config.is_file():
-        print(f"error: {args.run_dir} is not a run folder (no config.yaml)", file=sys.stderr)
-        return 2
-    path = args.checkpoint or next(reversed(checkpoint.list_checkpoints(args.run_dir)), None)
-    if path is None:
-        print(f"error: {args.run_dir} has no checkpoint yet; train longer or pass --checkpoint PATH", file=sys.stderr)
-        return 2
     if args.episodes < 1 or args.horizon < 1:
         print("error: --episodes and --horizon must be at least 1", file=sys.stderr)
         return 2
-    try:
-        state = checkpoint.load(path)
-        cfg = OmegaConf.load(config)
-        settings = validate(cfg)
-    except (checkpoint.CheckpointError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    env = make_env(cfg.env, cfg.seed + 3_000_000)
-    layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
-    agent = build_agent(layout, settings.size, settings.loss)
-    try:
-        load_weights(agent.loss, state, path, config)
-    except checkpoint.CheckpointError as error:
+    try:  # on the CPU: the checks below step one env and run the networks on single records
+        cfg, settings, state, path, env, layout, agent = load_run(args.run_dir, args.checkpoint, SEED, "cpu")
+    except RunError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     agent.loss.eval()
     gamma = 1 - 1 / float(cfg.loss.horizon)
-    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + 3_000_000), agent.policy, layout,
+    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + SEED), agent.policy, layout,
                           settings.size, "cpu", explore=True, suite=cfg.env.suite)
     collector.reset()
     episodes, current = [], []
