@@ -6,8 +6,8 @@ memory the workers hold together once they do.
 For each method, one training run of the application (`python -m dreamer.train`, the worker source, with
 the overrides given; default: the emulated Minecraft env at 1 ms per step, smoke model, server thread) in a
 temporary folder: the seconds from the pool's start to its line "all N env workers stepping", read from
-the run's output (the fork server's own imports, started before, are not in it: they run during the
-learner's warm-up), then, after `--settle` seconds, the summed proportional set size (PSS: shared pages
+the run's output (the fork server's own imports start at the source's creation, before the learner's
+warm-up, and count only as far as they still run when the pool starts), then, after `--settle` seconds, the summed proportional set size (PSS: shared pages
 counted once over the processes that share them) and resident size of the workers, the fork server
 included. The run is stopped with SIGTERM (it saves and exits). One JSON line per method, and the ratio.
 """
