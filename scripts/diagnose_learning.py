@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    torch.set_num_threads(1)  # one record at a time: more threads only contend (as in dreamer.evaluate)
     agent.loss.eval()
     gamma = 1 - 1 / float(cfg.loss.horizon)
     collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + SEED), agent.policy, layout,
