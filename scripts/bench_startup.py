@@ -3,13 +3,14 @@ memory the workers hold together once they do.
 
     python scripts/bench_startup.py [--envs 8] [--settle 10] [--methods spawn,forkserver] [OVERRIDE ...]
 
-For each method, one training run of the application (`python -m dreamer.train`, the worker source, with
-the overrides given; default: the emulated Minecraft env at 1 ms per step, smoke model, server thread) in a
-temporary folder: the seconds from the pool's start to its line "all N env workers stepping", read from
-the run's output (the fork server's own imports start at the source's creation, before the learner's
-warm-up, and count only as far as they still run when the pool starts), then, after `--settle` seconds, the summed proportional set size (PSS: shared pages
-counted once over the processes that share them) and resident size of the workers, the fork server
-included. The run is stopped with SIGTERM (it saves and exits). One JSON line per method, and the ratio.
+For each method, one training run of the application (`python -m dreamer.train`, the worker source, with the
+overrides given; default: the emulated Minecraft env at 1 ms per step, smoke model, server thread) in a
+temporary folder: the seconds from the pool's start to its line "all N env workers stepping", read from the
+run's output (the fork server's own imports start at the source's creation, before the learner's warm-up,
+and count only as far as they still run when the pool starts), then, after `--settle` seconds, the summed
+proportional set size (PSS: shared pages counted once over the processes that share them) and resident size
+of the workers, the fork server included. The run is stopped with SIGTERM (it saves and exits). One JSON
+line per method, and the ratio.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def measure(method: str, envs: int, settle: float, overrides: list[str], timeout
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "dreamer.train", *overrides, "run.collect=workers", f"run.envs={envs}",
                    f"run.worker_start={method}", f"hydra.run.dir={folder}/run"]
+        path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         trainer = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+                                   env={**os.environ, "PYTHONPATH": path})
         seconds, output, deadline = None, [], time.monotonic() + timeout
         try:
             for line in trainer.stdout:
