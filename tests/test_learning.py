@@ -75,45 +75,47 @@ def test_the_report_refuses_a_folder_without_runs_in_one_line(tmp_path):
     assert made.returncode == 2 and made.stderr.count("\n") == 1 and "holds none" in made.stderr
 
 
-def test_the_report_takes_a_run_that_has_not_evaluated_yet(learned, tmp_path):
-    """A run stopped before its first evaluation (a set cut short): its eval cells are "-", its training
-    returns are reported."""
+def _report_on_edited_records(learned, tmp_path, edit, frames: str) -> list[str]:
+    """learning_report.py on a copy of the learned cartpole run whose records `edit` rewrote (a list of
+    records in, a list out); the cells of the run's row."""
     import shutil
 
     folder = tmp_path / "runs" / "cartpole_balance-seed0"
     shutil.copytree(learned / "cartpole_balance-seed0", folder, ignore=shutil.ignore_patterns("checkpoints"))
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    kept = [r for r in records if r["kind"] not in ("eval", "final_eval")]
-    assert len(kept) < len(records)
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in edit(records)))
     out = tmp_path / "LEARNING.md"
     made = subprocess.run([sys.executable, "scripts/learning_report.py", str(folder.parent), "--out", str(out),
-                           "--frames", "200,400"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--frames", frames], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
-    row = next(line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| dmc cartpole_balance"))
+    return next(line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| dmc cartpole_balance"))
+
+
+def test_the_report_takes_a_run_that_has_not_evaluated_yet(learned, tmp_path):
+    """A run stopped before its first evaluation (a set cut short): its eval cells are "-", its training
+    returns are reported."""
+    def drop_evaluations(records):
+        kept = [r for r in records if r["kind"] not in ("eval", "final_eval")]
+        assert len(kept) < len(records)
+        return kept
+
+    row = _report_on_edited_records(learned, tmp_path, drop_evaluations, "200,400")
     assert row[3] != "-" and row[4:6] == ["-", "-"]  # the training return at 400 frames; no evaluation
 
 
 def test_the_report_carries_a_return_forward_no_further_than_its_records_lay_apart(learned, tmp_path):
     """A run whose episodes stopped ending while it went on (resumed commands shorter than an episode):
     its last training return is reported at points as far past it as its returns lay apart, not further."""
-    import shutil
+    def returns_until_200(records):
+        train = [r for r in records if r["kind"] == "train"]
+        assert [r["frames"] for r in train] == [100, 200, 300, 400]
+        for record, value in zip(train, (10.0, 20.0, None, None)):  # returns 100 frames apart, none after 200
+            record.pop("episode/return", None)
+            if value is not None:
+                record["episode/return"] = value
+        return records
 
-    folder = tmp_path / "runs" / "cartpole_balance-seed0"
-    shutil.copytree(learned / "cartpole_balance-seed0", folder, ignore=shutil.ignore_patterns("checkpoints"))
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r["kind"] == "train"]
-    assert [r["frames"] for r in train] == [100, 200, 300, 400]
-    for record, value in zip(train, (10.0, 20.0, None, None)):  # returns 100 frames apart, none after 200
-        record.pop("episode/return", None)
-        if value is not None:
-            record["episode/return"] = value
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    out = tmp_path / "LEARNING.md"
-    made = subprocess.run([sys.executable, "scripts/learning_report.py", str(folder.parent), "--out", str(out),
-                           "--frames", "150,300,400"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
-    row = next(line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| dmc cartpole_balance"))
+    row = _report_on_edited_records(learned, tmp_path, returns_until_200, "150,300,400")
     assert row[2:5] == ["15", "20", "-"]  # interpolated; 100 past the last (as far as they lay apart); 200 past
 
 
