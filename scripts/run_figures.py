@@ -5,8 +5,9 @@
 Collecting alone: the train records written before the first update (the first record left out: it
 holds the start of the workers). Training: the records whose whole span had updates (the record before
 them had some already). Medians over each set of records: env steps/s, updates/s, the learner device's
-busy fraction, the inference server's p50 / p99 pass time and busy fraction. One JSON line, with the
-ratio training / collecting of env steps/s.
+busy fraction, the inference server's p50 / p99 pass time, queue wait and busy fraction, and where a
+collector's step went (policy round trip, env, own work). One JSON line, with the ratio training /
+collecting of env steps/s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 from pathlib import Path
 
 FIGURES = ("env_steps_per_s", "updates_per_s", "learner/busy", "inference/busy", "inference/p50_ms",
-           "inference/p99_ms", "inference/batch")
+           "inference/p99_ms", "inference/queue_ms", "inference/batch", "collect/policy_ms", "collect/env_ms",
+           "collect/own_ms")
 
 
 def _medians(records: list[dict]) -> dict:

@@ -187,6 +187,7 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
     assert train[-1]["env_steps"] >= 384 and train[-1]["updates"] > 0
     assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
     assert train[-1]["inference/p99_ms"] >= train[-1]["inference/p50_ms"] > 0
+    assert train[-1]["inference/queue_ms"] >= 0
     # A record's window can hold chunks that were collected before it began (no pass or update in it):
     # busy is checked over the run, not in the last record alone.
     for key in ("inference/busy", "learner/busy"):
