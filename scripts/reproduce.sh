@@ -21,7 +21,8 @@
 #                                             # inline, workers with the server in its process, in a thread;
 #                                             # then bench_learner.py alone
 #   bash scripts/reproduce.sh minecraft       # python -m dreamer.train +exp=minecraft env=emulated, 64 workers,
-#                                             # 6 minutes, then its figures (scripts/run_figures.py)
+#                                             # 6 minutes (MINECRAFT_SECONDS), then its figures
+#                                             # (scripts/run_figures.py)
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
@@ -149,8 +150,8 @@ case "${1:-}" in
   minecraft | minecraft-4gpu | minecraft-1gpu)
     # Collection fills 65,536 steps first (run.train_start), then trains; SIGINT at the end saves and stops.
     # --foreground: the signal goes to the trainer alone, which stops its workers itself.
-    seconds=360 topology=()
-    [ "$1" != minecraft ] && seconds=510 topology=("topology=${1#minecraft-}")
+    seconds=${MINECRAFT_SECONDS:-360} topology=()
+    [ "$1" != minecraft ] && seconds=${MINECRAFT_SECONDS:-510} topology=("topology=${1#minecraft-}")
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
     timeout --foreground --signal=INT -k 30 "$seconds" $PY -m dreamer.train +exp=minecraft env=emulated \
       "${topology[@]}" run.log_every=8192 hydra.run.dir="$OUT/$1-run" > "$OUT/$1.log" 2>&1 || true
