@@ -12,7 +12,7 @@ set, exactly as the acting policy does. The refreshed posterior of record t is t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDictBase
@@ -99,6 +99,11 @@ class LossSettings:
     slow_critic: float = 1.0
     slow_critic_tau: float = 0.02
     return_norm_rate: float = 0.01
+    # How the reward and value heads' 255 logits read as a scalar (dreamer.learner.TwoHot): "symexp", the
+    # reference's symexp_twohot (bins symexp-spaced in raw values, the two-hot target and the expectation
+    # linear in raw values; torchrl's functions), or "symlog", its symlog_and_twohot alternative (the
+    # target and the expectation in symlog space, then symexp).
+    two_hot: str = "symexp"
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,7 @@ class Agent:
     networks: Networks
     loss: DreamerV3Loss
     slow_critic: SoftUpdate
+    settings: LossSettings = field(default_factory=LossSettings)
 
     @property
     def policy(self) -> ActingPolicy:
@@ -467,7 +473,7 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         lmbda=loss.lmbda,
     )
     slow_critic = SoftUpdate(value_loss, tau=loss.slow_critic_tau)
-    return Agent(layout, size, nets, full_loss, slow_critic)
+    return Agent(layout, size, nets, full_loss, slow_critic, loss)
 
 
 class _Concat(nn.Module):

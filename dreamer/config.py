@@ -184,7 +184,7 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
            "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
-           "replay.online": (False, True)}
+           "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog")}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

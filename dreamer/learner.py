@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torchrl.modules.models.model_based import _straight_through_categorical, two_hot_cross_entropy, two_hot_decode
-from torchrl.objectives import symlog
+from torchrl.objectives import symexp, symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
 from dreamer.agent import IMAGE_KEY, Agent
@@ -147,6 +147,39 @@ def lambda_returns(reward, next_value, done, terminated, gamma: float, lmbda: fl
     return (products * b[:, None, :]).sum(-1)
 
 
+class TwoHot:
+    """The reward and value heads' logits over 255 bins, read as a scalar and trained toward one.
+
+    "symexp" (the reference's symexp_twohot; torchrl's `two_hot_cross_entropy` / `two_hot_decode`): the
+    bins are symexp(-20 .. 20) in raw values; a target is split between its two neighbouring bins linearly
+    in raw values, and a prediction is the probabilities' expectation over the raw bins. "symlog" (the
+    reference's symlog_and_twohot alternative): the same grid taken in symlog space (-20 .. 20 evenly); a
+    target is symlogged and split there, and a prediction is the expectation over the symlog grid, symexped.
+    The raw expectation is unbiased, and it moves with every bin's probability times its value (up to 4.9e8
+    at the grid's ends); the symlog one is pulled toward zero by a spread of outcomes (Jensen). Both pair
+    mirrored bins so that uniform logits read exactly zero.
+    """
+
+    MODES = ("symexp", "symlog")
+
+    def __init__(self, bins: torch.Tensor, mode: str):
+        if mode not in self.MODES:
+            raise ValueError(f"two-hot mode must be one of {', '.join(self.MODES)}, not {mode!r}")
+        self.mode, self.bins = mode, bins
+        self.grid = symlog(bins) if mode == "symlog" else bins
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Cross entropy of `logits` [..., bins] against the two-hot of `target` [...] or [..., 1]."""
+        if self.mode == "symlog":
+            target = symlog(target)
+        return two_hot_cross_entropy(logits, target, self.grid)
+
+    def mean(self, logits: torch.Tensor) -> torch.Tensor:
+        """The prediction [...] of `logits` [..., bins]."""
+        value = two_hot_decode(logits, self.grid)
+        return symexp(value) if self.mode == "symlog" else value
+
+
 class MetricsRead:
     """Device metrics on their way to pinned host memory: `ready()` never blocks, `result()` waits."""
 
@@ -234,8 +267,8 @@ class Learner:
         self.slow_list = [self.slow_params[n] for n in self.critic_params]
         self.critic_list = list(self.critic_params.values())
         self.tau = 1.0 - float(agent.slow_critic.eps)  # SoftUpdate: target <- lerp(target, source, 1 - eps)
-        self.reward_bins = loss.model_loss.reward_bins
-        self.value_bins = loss.value_loss.value_bins
+        self.reward_twohot = TwoHot(loss.model_loss.reward_bins, agent.settings.two_hot)
+        self.value_twohot = TwoHot(loss.value_loss.value_bins, agent.settings.two_hot)
         estimator = loss.actor_loss.value_estimator
         self.gamma = estimator.gamma.to(self.device)
         self.retnorm = loss.actor_loss.retnorm
@@ -484,8 +517,7 @@ class Learner:
         if nets.image_decoder is not None:
             error = time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
             reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
-        reward_loss = two_hot_cross_entropy(nets.reward_head(states, beliefs), time_major(inputs["reward"]),
-                                            self.reward_bins).mean()
+        reward_loss = self.reward_twohot.loss(nets.reward_head(states, beliefs), time_major(inputs["reward"])).mean()
         continue_target = time_major(~inputs["terminated"]).float().squeeze(-1)
         continue_loss = F.binary_cross_entropy_with_logits(nets.continue_head(states, beliefs).squeeze(-1), continue_target)
         mloss = settings.model_loss
@@ -501,9 +533,9 @@ class Learner:
         gamma = self.gamma
         with torch.no_grad():
             next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
-            reward = two_hot_decode(nets.reward_head(next_s, next_b), self.reward_bins).unsqueeze(-1)
+            reward = self.reward_twohot.mean(nets.reward_head(next_s, next_b)).unsqueeze(-1)
             value_logits_all = self._critic(img_states, img_beliefs)
-            next_value = two_hot_decode(value_logits_all[:, 1:], self.value_bins).unsqueeze(-1)
+            next_value = self.value_twohot.mean(value_logits_all[:, 1:]).unsqueeze(-1)
             continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
             continuation = continuation_all[:, 1:]
             root_continuation = continuation_all[:, :-1]
@@ -515,7 +547,7 @@ class Learner:
             retnorm.low.lerp_(low, retnorm.rate)
             retnorm.high.lerp_(high, retnorm.rate)
             return_scale = retnorm.scale().squeeze(-1)
-            baseline = two_hot_decode(value_logits_all[:, :-1], self.value_bins).unsqueeze(-1)
+            baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
             advantage = (lambda_target - baseline) / return_scale
 
         # ---- actor: REINFORCE on stopped states, plus entropy ----
@@ -541,10 +573,10 @@ class Learner:
         value_logits = self._critic(root_s, root_b)
         target = lambda_target.squeeze(-1)
         weight = discount.squeeze(-1)
-        loss = two_hot_cross_entropy(value_logits, target, self.value_bins)
+        loss = self.value_twohot.loss(value_logits, target)
         with torch.no_grad():
-            slow_value = two_hot_decode(self._critic(root_s, root_b, slow=True), self.value_bins)
-        slow_loss = two_hot_cross_entropy(value_logits, slow_value, self.value_bins)
+            slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
+        slow_loss = self.value_twohot.loss(value_logits, slow_value)
         losses["loss_value"] = (weight * (loss + vloss.slow_critic_regularization * slow_loss)).mean()
 
         # ---- critic on the replay sequence (trains the representation too; time-major, as above) ----
@@ -556,11 +588,11 @@ class Learner:
                 gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda))  # [T-1, B]
             replay_weight = time_major(~done[:, :-1].squeeze(-1)).float()
         replay_logits = self._critic(states, beliefs)[:-1]
-        replay_loss = two_hot_cross_entropy(replay_logits, replay_target, self.value_bins)
+        replay_loss = self.value_twohot.loss(replay_logits, replay_target)
         with torch.no_grad():
-            slow_replay = two_hot_decode(self._critic(states, beliefs, slow=True), self.value_bins)[:-1]
-        replay_loss = replay_loss + vloss.slow_critic_regularization * two_hot_cross_entropy(
-            replay_logits, slow_replay, self.value_bins)
+            slow_replay = self.value_twohot.mean(self._critic(states, beliefs, slow=True))[:-1]
+        replay_loss = replay_loss + vloss.slow_critic_regularization * self.value_twohot.loss(
+            replay_logits, slow_replay)
         replay_value = (replay_weight * replay_loss).mean()
         losses["loss_replay_value"] = settings.replay_value_loss_weight * replay_value
 

@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchrl.modules.models.model_based import _default_bins, two_hot_decode  # noqa: E402
+from torchrl.modules.models.model_based import _default_bins  # noqa: E402
+
+from dreamer.learner import TwoHot  # noqa: E402
 
 SEED = 3_000_000  # added to the run's seed: the diagnosis's env draws neither training's nor evaluation's episodes
 DISCOUNT_TAIL = 700  # steps before an episode's end a state must be for the value check
@@ -50,14 +52,19 @@ def posterior(networks, records: list) -> tuple[torch.Tensor, torch.Tensor]:
 def analyse(agent, records: list, horizon: int, gamma: float, stride: int = 25) -> dict:
     """The checks on one episode's records (record t: the carry before o[t], a[t-1], and o[t], r[t])."""
     networks = agent.networks
-    bins = _default_bins(agent.size.bins)
+    heads = TwoHot(_default_bins(agent.size.bins), agent.settings.two_hot)  # as the run's learner read them
     states, beliefs = posterior(networks, records)
     rewards = torch.stack([r.get(("next", "reward")).reshape(()) for r in records]).float()
     actions = torch.stack([r.get("action") for r in records]).float()  # actions[t] = a[t-1]
     steps = len(records)
     out: dict = {"steps": steps, "return": float(rewards.sum())}
 
-    values = two_hot_decode(networks.critic_head(states, beliefs), bins)
+    # The reward head on the posterior (each observation seen): the model's reward error without its
+    # dynamics. State t follows o[t] and predicts r[t].
+    seen = heads.mean(networks.reward_head(states, beliefs))
+    out["posterior_reward_per_step"], out["episode_reward_per_step"] = float(seen[1:].mean()), float(rewards[1:].mean())
+
+    values = heads.mean(networks.critic_head(states, beliefs))
     real = torch.zeros(steps)
     running = torch.zeros(())
     for t in range(steps - 2, -1, -1):  # the discounted return after state t: r[t+1] + gamma r[t+2] + ...
@@ -74,7 +81,7 @@ def analyse(agent, records: list, horizon: int, gamma: float, stride: int = 25) 
         predicted, errors = [], []
         for k in range(1, horizon + 1):  # prior step with the real action a[t+k-1] (stored in record t+k)
             _, s, b = networks.prior(s, b, actions[index + k])
-            guess = two_hot_decode(networks.reward_head(s, b), bins)
+            guess = heads.mean(networks.reward_head(s, b))
             predicted.append(guess)
             errors.append((guess - rewards[index + k]).abs().mean())
         real_sums = torch.stack([rewards[index + k] for k in range(1, horizon + 1)]).sum(0)
@@ -93,7 +100,7 @@ def analyse(agent, records: list, horizon: int, gamma: float, stride: int = 25) 
                 mean, std = networks.actor_net(s, b)
                 action = mean + std * torch.randn_like(mean)
             _, s, b = networks.prior(s, b, action)
-            imagined.append(two_hot_decode(networks.reward_head(s, b), bins))
+            imagined.append(heads.mean(networks.reward_head(s, b)))
         out["imagined_reward_per_step"] = float(torch.stack(imagined).mean())
         out["real_reward_per_step"] = float(real_sums.mean() / horizon)
 
@@ -162,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     else:  # e.g. a 1,000-frame episode at action repeat 2 has 500 steps
         print(f"values: not compared (no episode has a state {DISCOUNT_TAIL} steps before its end, where the "
               f"real discounted return is cut off by under 12 %)")
+    print(f"reward head on the posterior (observations seen): {mean('posterior_reward_per_step'):.4f} per step "
+          f"against real {mean('episode_reward_per_step'):.4f}")
     print(f"open loop, {args.horizon} steps with the real actions: predicted reward sum "
           f"{mean('open_loop_reward_sum'):.3f} against real {mean('real_reward_sum'):.3f}")
     print(f"imagination against reality: {mean('imagined_reward_per_step'):.4f} reward per step imagined, "

@@ -169,6 +169,7 @@ def test_the_suite_presets_are_the_reference_recipe(preset):
     assert cfg.env.get("repeat") == repeat
     assert (cfg.optimizer.lr, cfg.optimizer.warmup) == (4.0e-5, 1000)
     assert cfg.replay.online  # fresh windows first, uniform otherwise
+    assert cfg.loss.two_hot == "symexp"  # the reference's reward and value heads (symexp_twohot)
     # A smaller model is one override away (README: what each preset costs).
     assert _compose([f"+exp={preset}", "model=size12m"]).model.name == "size12m"
 

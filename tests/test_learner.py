@@ -14,17 +14,17 @@ from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
 
 from dreamer.agent import EnvLayout, LossSettings, build_agent
-from dreamer.learner import LaProp, Learner, OptimizerSettings
+from dreamer.learner import LaProp, Learner, OptimizerSettings, TwoHot
 from tests.test_agent import IMAGE, VECTOR, _batch, _size
 
 CONTINUOUS = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-1, 1, (3,)))
 LAYOUTS = {"vector": VECTOR, "image": IMAGE, "continuous": CONTINUOUS}
 
 
-def _setup(layout, seed=0):
+def _setup(layout, seed=0, two_hot="symexp"):
     torch.manual_seed(seed)
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
-    agent = build_agent(layout, size, LossSettings(imag_length=4))
+    agent = build_agent(layout, size, LossSettings(imag_length=4, two_hot=two_hot))
     batch = _batch(layout, size, 3, 6)
     batch["belief"] = torch.randn_like(batch["belief"])  # a carried-over start state, reset where is_init
     batch["state"] = torch.nn.functional.one_hot(torch.randint(0, 4, (3, 6, 4)), 4).flatten(-2).float()
@@ -253,3 +253,51 @@ def test_the_acting_policy_carries_the_learners_posterior(monkeypatch):
     with torch.no_grad():
         _, _, _, moved, _ = learner._losses(learner._inputs(batch))
     assert not torch.allclose(moved[0, 5:], acting_beliefs[5:], rtol=1e-5, atol=1e-5)
+
+
+def test_the_symlog_two_hot_reads_and_trains_in_symlog_space_and_the_symexp_one_in_raw_values():
+    from torchrl.modules.models.model_based import _default_bins
+    from torchrl.objectives import symexp, symlog
+
+    bins = _default_bins(255)
+    grid = symlog(bins)
+    assert torch.allclose(grid, torch.linspace(-20, 20, 255), atol=1e-4)  # the reference's grid
+    symlog_heads, symexp_heads = TwoHot(bins, "symlog"), TwoHot(bins, "symexp")
+    for heads in (symlog_heads, symexp_heads):
+        assert heads.mean(torch.zeros(3, 255)).abs().max() == 0  # uniform logits read exactly zero
+    # Half the probability on each of two neighbouring bins: the symlog head reads the symexp of their
+    # midpoint in symlog space, the symexp one the midpoint of their raw values.
+    k = 140
+    logits = torch.full((255,), -1e4)
+    logits[k] = logits[k + 1] = 0.0
+    assert torch.isclose(symlog_heads.mean(logits), symexp((grid[k] + grid[k + 1]) / 2), rtol=1e-4)
+    assert torch.isclose(symexp_heads.mean(logits), (bins[k] + bins[k + 1]) / 2, rtol=1e-4)
+    # A target at that symlog midpoint is split half and half between the two bins by the symlog head's
+    # loss; the symexp head splits it linearly in raw values, more on the lower bin.
+    target = symexp((grid[k] + grid[k + 1]) / 2)
+    logits[k], logits[k + 1] = torch.tensor(0.9).log(), torch.tensor(0.1).log()
+    half = -0.5 * (torch.tensor(0.9).log() + torch.tensor(0.1).log())
+    assert torch.isclose(symlog_heads.loss(logits, target), half, rtol=1e-4)
+    lower = (bins[k + 1] - target) / (bins[k + 1] - bins[k])
+    assert lower > 0.51
+    raw = -(lower * torch.tensor(0.9).log() + (1 - lower) * torch.tensor(0.1).log())
+    assert torch.isclose(symexp_heads.loss(logits, target), raw, rtol=1e-4)
+    with pytest.raises(ValueError, match="two-hot mode must be one of symexp, symlog"):
+        TwoHot(bins, "raw")
+
+
+def test_the_learner_uses_the_two_hot_setting():
+    def losses(two_hot):
+        agent, batch = _setup(CONTINUOUS, two_hot=two_hot)
+        learner = Learner(agent, OptimizerSettings(), "cpu")
+        assert learner.reward_twohot.mode == learner.value_twohot.mode == two_hot
+        torch.manual_seed(2)  # the reward head starts at zero output (every target costs log 255): move it
+        with torch.no_grad():
+            for param in agent.networks.reward_head.parameters():
+                param.normal_()
+        torch.manual_seed(1)
+        return learner._losses(learner._inputs(batch.clone()))[1]
+
+    metrics, raw_metrics = losses("symlog"), losses("symexp")
+    # Same weights, same batch: the rewards (randn x 3) land on other bins in symlog space.
+    assert not _close(metrics["loss_model_reward"].detach(), raw_metrics["loss_model_reward"].detach())

@@ -132,6 +132,8 @@ def test_the_diagnosis_compares_the_models_beliefs_with_an_episode(learned, tmp_
     assert episode["steps"] == 101  # the reset's record and 100 agent steps (the smoke preset's episodes)
     assert len(episode["open_loop_reward_abs_error_by_step"]) == 5
     assert abs(episode["real_reward_per_step"] * 5 - episode["real_reward_sum"]) < 1e-4
+    assert abs(episode["episode_reward_per_step"] * 100 - episode["return"]) < 1e-3  # r[1..100]: the return
+    assert "reward head on the posterior" in done.stdout
     assert 0 < episode["actor_std_mean"] <= 1.0 and result["return_scale"] >= 1.0
     assert "value_mean" not in episode  # 100-step episodes: no state is 700 steps from its end
     assert "imagination against reality" in done.stdout
