@@ -207,17 +207,28 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     def stopped() -> bool:  # a SIGINT / SIGTERM also ends an evaluation early
         return bool(stop)
 
-    def run_eval(kind: str) -> None:
+    def run_eval(kind: str) -> bool:
+        """One evaluation of run.eval_episodes episodes, recorded; False (nothing recorded) when a stop
+        cut it short: a partial mean is not the measure asked for, and a final evaluation left unrecorded
+        is run again by the same command."""
         source.settle()  # no step of the inline source runs beside the evaluation's
+        episodes = cfg.run.eval_episodes
+        print(f"dreamer: {'final ' if kind == 'final_eval' else ''}evaluation: {episodes} episode"
+              f"{'s' if episodes > 1 else ''} at {counters['env_steps']:,} env steps...", flush=True)
         if with_videos:
-            finished, frames, first = run_with_frames(evaluator, cfg.run.eval_episodes, stopped)
+            finished, frames, first = run_with_frames(evaluator, episodes, stopped)
             record = summarize(finished)
-            videos = write_videos(agent.networks, frames, first, run_dir / "eval",
-                                  f"{kind}-{counters['env_steps']:012d}") if finished else {}
         else:
-            record, videos = evaluate(evaluator, cfg.run.eval_episodes, stopped), {}
+            record = evaluate(evaluator, episodes, stopped)
+        if record["eval/episodes"] < episodes:
+            print(f"dreamer: evaluation stopped by {stop.requested} after {record['eval/episodes']} of {episodes} "
+                  "episodes: not recorded", flush=True)
+            return False
+        videos = write_videos(agent.networks, frames, first, run_dir / "eval",
+                              f"{kind}-{counters['env_steps']:012d}") if with_videos else {}
         metrics.write(record, counters["env_steps"], learner.updates, kind=kind)
         metrics.media(videos, counters["env_steps"])
+        return True
 
     def save(wait: bool = True) -> None:
         """A checkpoint now; `wait=False` lets it commit in the background while training goes on."""
@@ -302,9 +313,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             if stop:
                 print(f"dreamer: {stop.requested} received; saved at {counters['env_steps']:,} env steps", flush=True)
                 ending = f"stopped by {stop.requested} (the same command continues it)"
+            elif cfg.run.eval_episodes and not run_eval("final_eval"):
+                ending = f"stopped by {stop.requested} during its final evaluation (the same command runs it)"
             else:
-                if cfg.run.eval_episodes:
-                    run_eval("final_eval")
                 ending = "finished"
     finally:  # also when the run stops with an error: no worker process or server thread outlives it
         for part in (source, metrics, checkpointer, replay, evaluator):

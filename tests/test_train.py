@@ -71,6 +71,38 @@ def test_sigterm_saves_and_the_same_command_resumes(workdir):
     assert max(r["env_steps"] for r in records) == saved_steps + 128
 
 
+def test_a_stop_during_the_final_evaluation_records_none_and_the_same_command_runs_it(workdir):
+    """SIGINT while the final evaluation's episode runs (2,000 emulated steps of 5 ms): no final_eval record
+    (a cut evaluation is not the mean asked for, and a record would mark the run finished); the rerun
+    resumes, trains nothing and evaluates."""
+    args = ["+exp=emulated", "+debug=smoke", "env.max_episode_steps=2000", "env.step_latency=0.005",
+            "run.collect=inline", "run.eval_every=0", "run.name=final"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    process = subprocess.Popen([sys.executable, "-m", "dreamer.train", *args], cwd=workdir, env=environment,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in process.stdout:  # the trainer flushes each line
+        seen.append(line)
+        if line.startswith("dreamer: final evaluation: 1 episode at 256 env steps"):
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+            break
+    out, err = process.communicate(timeout=120)
+    out = "".join(seen) + out
+    assert process.returncode == 0, err[-3000:]
+    assert "dreamer: evaluation stopped by SIGINT after 0 of 1 episodes: not recorded" in out, out[-2000:]
+    assert "stopped by SIGINT during its final evaluation (the same command runs it)" in out
+    run = workdir / "runs" / "final"
+    assert not [r for r in _records(run) if r["kind"].endswith("eval")]
+
+    result = run_train(args, workdir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished" in result.stdout and "dreamer: final evaluation: 1 episode at 256 env steps" in result.stdout
+    (final,) = [r for r in _records(run) if r["kind"] == "final_eval"]
+    assert final["eval/episodes"] == 1 and final["eval/length_mean"] == 2000
+    assert max(r["updates"] for r in _records(run)) == final["updates"]  # the rerun trained nothing
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
