@@ -5,8 +5,8 @@
 RUNS_DIR holds run folders (`scripts/reproduce.sh learn-dmc` makes one per task and seed). For each run: the
 training-episode return (`episode/return`, the reference's own measure) and the evaluation return
 (`eval/return_mean`, where the run evaluated) at each point of `--frames`, interpolated linearly between the
-run's records (past the last one: its value, as long as the point lies no further past it than the run's
-values ever lay apart, from its start on) and left out ("-") where the run has not reached the point or has
+run's records (past the last training return: its value, as long as the point lies no further past it than
+the run's returns ever lay apart, from its start on; past the last evaluation: none) and left out ("-") where the run has not reached the point or has
 no value of that kind at or before it (the first evaluation comes at `run.eval_every`; a resumed command
 starts its envs' episodes afresh, and one shorter than a round of episodes records none); the wall-clock to
 the last point (the summed `time` of the run's commands: each resumed command counts from its own start, so
@@ -69,6 +69,8 @@ class Run:
         frames, values = self.evals if evaluation else (self.frames, self.returns)
         if not len(frames) or self.reached < REACHED * point or point < REACHED * frames[0]:
             return None  # not reached yet, or before the run's first value of this kind (nothing to interpolate)
+        if evaluation and point - frames[-1] > (1 - REACHED) * point:
+            return None  # an evaluation measures its own point: none is carried past the last one
         gaps = np.diff(frames, prepend=0)  # from the run's start: the first value came one episode in
         if point - frames[-1] > gaps.max() + (1 - REACHED) * point:
             return None  # its values stopped further before the point than they ever lay apart: none there

@@ -103,6 +103,18 @@ def test_the_report_takes_a_run_that_has_not_evaluated_yet(learned, tmp_path):
     assert row[3] != "-" and row[4:6] == ["-", "-"]  # the training return at 400 frames; no evaluation
 
 
+def test_the_report_carries_no_evaluation_past_the_last_one(learned, tmp_path):
+    """A run stopped during its final evaluation (nothing recorded for it): the 400-frame eval cell is "-",
+    not the 200-frame evaluation's value."""
+    def drop_final_evaluation(records):
+        kept = [r for r in records if r["kind"] != "final_eval"]
+        assert [r["frames"] for r in kept if r["kind"] == "eval"] == [200] and len(kept) == len(records) - 1
+        return kept
+
+    row = _report_on_edited_records(learned, tmp_path, drop_final_evaluation, "200,400")
+    assert row[4] != "-" and row[5] == "-"
+
+
 def test_the_report_carries_a_return_forward_no_further_than_its_records_lay_apart(learned, tmp_path):
     """A run whose episodes stopped ending while it went on (resumed commands shorter than an episode):
     its last training return is reported at points as far past it as its returns lay apart, not further."""
