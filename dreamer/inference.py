@@ -160,6 +160,10 @@ class RowClient:
         self.ready, self.submitted_at = transport._request_ready, transport._submitted_at
         self.status, self.errors = transport._response_status, transport._exception_queues[slot]
         self.doorbell, self.work = transport._response_events[slot], transport._work_semaphore
+        self.answered_at = transport.answered_at
+        # Seconds summed over this client's requests: from its submission to the server's ring (the
+        # server's queue, pass and scatter), and from that ring to this process running again (its wake-up).
+        self.served_seconds = self.wake_seconds = 0.0
         self._in = self._out = None
 
     def __getstate__(self) -> dict:
@@ -176,11 +180,15 @@ class RowClient:
         slot = self.slot
         self.doorbell.clear()
         self.status[slot] = 0
-        self.submitted_at[slot] = time.monotonic()
+        self.submitted_at[slot] = submitted = time.monotonic()
         self.ready[slot] = 1  # after the payload: the server reads the row once it sees this byte
         self.work.release()
         while not self.doorbell.wait(0.1):  # raises SystemExit when the trainer is gone
             pass
+        woke, answered = time.monotonic(), self.answered_at[slot]
+        if answered >= submitted:  # this request's ring (a dead predecessor's answer is never timed)
+            self.served_seconds += answered - submitted
+            self.wake_seconds += woke - answered
         self.doorbell.clear()
         if self.status[slot]:
             raise self.errors.get()
@@ -223,6 +231,7 @@ class KillSafeSlotTransport(ProcessSlotTransport):
         super().__init__(request_spec, response_spec, num_slots=num_slots, ctx=context)
         self._response_events = [_Doorbell(context) for _ in range(num_slots)]
         self.request_rows, self.response_rows = Rows(request_spec), Rows(response_spec)
+        self.answered_at = context.Array("d", num_slots, lock=False)  # when each slot's last answer was rung
         self.requests = self.request_rows.allocate(num_slots).share_memory_()
         self.responses = self.response_rows.allocate(num_slots).share_memory_()
 
@@ -235,7 +244,9 @@ class KillSafeSlotTransport(ProcessSlotTransport):
 
     def ring(self, slots: list[int]) -> None:
         """Wakes the workers of `slots`, their answers written."""
+        now = time.monotonic()
         for slot in slots:
+            self.answered_at[slot] = now
             self._response_status[slot] = 0
             self._response_events[slot].set()
 

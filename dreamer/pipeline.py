@@ -75,20 +75,26 @@ class Source:
 class StepTimes:
     """Where a collector's step time went, between two calls of `since`: per step, in ms."""
 
-    PARTS = ("policy", "env", "step", "loop")
+    PARTS = ("policy", "env", "step", "loop")  # then, from the worker source only: served, wake
 
     def __init__(self):
-        self.last: tuple[int, list[float]] = (0, [0.0] * len(self.PARTS))
+        self.last: tuple[int, list[float] | None] = (0, None)
 
     def since(self, steps: int, seconds: list[float]) -> dict[str, float]:
-        """steps: collector steps so far; seconds: the PARTS summed so far ({} when no step was taken)."""
+        """steps: collector steps so far; seconds: the PARTS summed so far, and for workers the policy
+        round trip's served and wake parts (`WorkerPool.timing`); {} when no step was taken."""
         last, self.last = self.last, (steps, list(seconds))
         if steps <= last[0]:
             return {}
         count = steps - last[0]
-        policy, env, step, loop = ((now - before) * 1e3 / count for now, before in zip(seconds, last[1]))
-        return {"collect/policy_ms": policy, "collect/env_ms": env, "collect/own_ms": step - policy - env,
-                "collect/between_ms": loop - step}
+        before = last[1] or [0.0] * len(seconds)
+        per = [(now - then) * 1e3 / count for now, then in zip(seconds, before)]
+        policy, env, step, loop = per[:4]
+        figures = {"collect/policy_ms": policy, "collect/env_ms": env, "collect/own_ms": step - policy - env,
+                   "collect/between_ms": loop - step}
+        if len(per) == 6:
+            figures["collect/served_ms"], figures["collect/wake_ms"] = per[4], per[5]
+        return figures
 
 
 class ActingCopy:

@@ -33,7 +33,7 @@ from dreamer import reaper
 from dreamer.agent import EnvLayout, ModelSize
 from dreamer.collect import CollectionError, Collector, Episode
 
-TIMES = 4  # timing slots per worker in WorkerPool.times: policy, env, step, loop
+TIMES = 6  # timing slots per worker in WorkerPool.times: policy, env, step, loop, served, wake (WorkerPool.timing)
 
 
 class _RemotePolicy:
@@ -88,6 +88,7 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
         records, episodes, restarts = [], [], 0
         slot = TIMES * index  # this worker's timing slots (see WorkerPool.timing)
         seconds, last = dict(collector.seconds), time.perf_counter()
+        served, woken = client.served_seconds, client.wake_seconds
         while not stop.is_set():
             record, ended = collector.step()
             records.append(record)
@@ -100,7 +101,10 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
             for offset, key in enumerate(("policy", "env", "step")):  # this worker's slots only: no lock
                 timing[slot + offset] += collector.seconds[key] - seconds[key]
             timing[slot + 3] += now - last
+            timing[slot + 4] += client.served_seconds - served
+            timing[slot + 5] += client.wake_seconds - woken
             seconds, last = dict(collector.seconds), now
+            served, woken = client.served_seconds, client.wake_seconds
             stepped[index] += 1
     except CollectionError as error:
         writer.send(str(error).replace(f"{suite} env 0 ", f"{suite} env {index} "))
@@ -309,8 +313,10 @@ class WorkerPool:
         return chunks
 
     def timing(self) -> tuple[int, list[float]]:
-        """(env steps taken by all workers, [policy, env, step, loop] seconds summed over all workers) so
-        far; the difference of two calls, divided by the steps, is where a worker's step time went."""
+        """(env steps taken by all workers, [policy, env, step, loop, served, wake] seconds summed over all
+        workers) so far; the difference of two calls, divided by the steps, is where a worker's step time
+        went. served and wake split the policy's round trip: from the request's submission to the server's
+        ring, and from the ring to the worker running again (`RowClient`)."""
         times = list(self.times)
         return sum(self.stepped), [sum(times[k::TIMES]) for k in range(TIMES)]
 

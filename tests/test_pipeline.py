@@ -188,6 +188,11 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
     assert train[-1]["inference/weight_syncs"] >= 1 and train[-1]["inference/batch"] >= 1
     assert train[-1]["inference/p99_ms"] >= train[-1]["inference/p50_ms"] > 0
     assert train[-1]["inference/queue_ms"] >= 0
+    # The policy's round trip split: the server's part (submission to ring) and the worker's wake-up, both
+    # inside the round trip the worker timed around its request.
+    timed = [r for r in train if "collect/served_ms" in r]
+    assert timed and all(r["collect/served_ms"] > 0 and r["collect/wake_ms"] >= 0 for r in timed)
+    assert all(r["collect/served_ms"] + r["collect/wake_ms"] <= r["collect/policy_ms"] + 1e-6 for r in timed)
     # A record's window can hold chunks that were collected before it began (no pass or update in it):
     # busy is checked over the run, not in the last record alone.
     for key in ("inference/busy", "learner/busy"):
