@@ -48,7 +48,7 @@ METRICS = (
     "loss_model_reco", "loss_model_reward", "loss_model_dynamic", "loss_model_representation",
     "loss_model_continue", "loss_actor", "loss_value", "loss_replay_value",
     "actor_entropy", "return_low", "return_high", "return_scale", "continuation_mean", "value_slow_loss",
-    "replay_value", "grad_norm",
+    "replay_value", "reward_seen", "reward_real", "reward_imagined", "grad_norm",
 )
 
 
@@ -517,7 +517,8 @@ class Learner:
         if nets.image_decoder is not None:
             error = time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
             reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
-        reward_loss = self.reward_twohot.loss(nets.reward_head(states, beliefs), time_major(inputs["reward"])).mean()
+        reward_logits, reward_target = nets.reward_head(states, beliefs), time_major(inputs["reward"])
+        reward_loss = self.reward_twohot.loss(reward_logits, reward_target).mean()
         continue_target = time_major(~inputs["terminated"]).float().squeeze(-1)
         continue_loss = F.binary_cross_entropy_with_logits(nets.continue_head(states, beliefs).squeeze(-1), continue_target)
         mloss = settings.model_loss
@@ -606,6 +607,12 @@ class Learner:
             "continuation_mean": continuation.mean(),
             "value_slow_loss": (weight * slow_loss).mean().detach(),
             "replay_value": replay_value.detach(),
+            # The model's rewards beside the real ones: on the replayed posterior (observations seen) and per
+            # step of imagination (the actor's own actions); imagined returns far above what the real
+            # rewards can sustain show the actor exploiting the model (LEARNING.md).
+            "reward_seen": self.reward_twohot.mean(reward_logits.detach().float()).mean(),
+            "reward_real": reward_target.float().mean(),
+            "reward_imagined": reward.mean(),
         }
         return total, metrics
 
