@@ -417,8 +417,8 @@ class _StreamServer(InferenceServer):
             batches(slots, self.policy_version)
         end = time.monotonic()
         self.transport.ring(slots)  # first: the workers wait for it, the figures do not
-        self._record_batch_stats(batch_size=len(slots), queue_wait_ms=[(start - at) * 1000.0 for at in submitted_at if at],
-                                 forward_ms=(end - start) * 1000.0)
+        waits = [(start - at) * 1000.0 for at in submitted_at if at]
+        self._record_batch_stats(batch_size=len(slots), queue_wait_ms=waits, forward_ms=(end - start) * 1000.0)
 
     def _run(self) -> None:
         device = self.policy_device
