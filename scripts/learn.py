@@ -1,9 +1,12 @@
 """Runs a set of training runs (tasks x seeds) within a time budget, one or more at once; rerun to go on.
 
-    python scripts/learn.py --dir runs/learn-dmc --preset dmc_proprio --tasks walker_walk,cartpole_swingup \\
-        --seeds 0,1,2 --steps 100000 [--parallel 1] [--seconds 540] [OVERRIDE ...]
+    python scripts/learn.py --dir runs/learn-dmc --preset dmc_proprio_paper --tasks walker_walk,cartpole_swingup \\
+        --seeds 0,1,2 --frames 100000 [--parallel 1] [--seconds 540] [OVERRIDE ...]
 
 Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
+with `--steps` agent steps, or `--frames` turned into agent steps by the preset's action repeat (frames as the
+reference's curves count them: agent steps x repeat; the overrides given are composed in, so `env.repeat=1`
+counts),
 `DIR/<task>-seed<seed>`, with the overrides given after the options. `--variant NAME:OVERRIDES` (repeatable)
 runs each task and seed once per variant, with the variant's overrides last, in `DIR/<task>-seed<seed>-<NAME>`
 (its `variant` file names it, and the report and plots keep variants apart): an A/B on the same seeds. Up to `--parallel` runs go at once
@@ -51,6 +54,21 @@ def frames_reached(folder: Path) -> tuple[int, bool]:
     return steps, done
 
 
+def agent_steps(args, task: str, overrides: list[str]) -> int:
+    """`--steps`, or `--frames` over the action repeat of the run's composed config (rounded up)."""
+    if args.steps:
+        return args.steps
+    from hydra import compose, initialize_config_dir
+
+    sys.path.insert(0, str(ROOT))
+    from dreamer.envs import frames_per_step
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+exp={args.preset}", f"env.task={task}",
+                                                       *[o for o in overrides if not o.startswith("hydra")]])
+    return -(-args.frames // frames_per_step(cfg.env))
+
+
 def commit() -> str:
     """The code's commit: DREAMER_COMMIT where the tree was copied without its git history, else git's HEAD."""
     if os.environ.get("DREAMER_COMMIT"):
@@ -65,7 +83,9 @@ def main() -> int:
     parser.add_argument("--preset", required=True, help="+exp=PRESET of every run")
     parser.add_argument("--tasks", required=True, help="comma-separated env.task values")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    parser.add_argument("--steps", type=int, required=True, help="run.steps (env steps) of every run")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="run.steps (agent steps) of every run")
+    length.add_argument("--frames", type=int, help="frames of every run: agent steps x the preset's action repeat")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("--seconds", type=float, default=540, help="this command's budget; SIGINT to all at its end")
     parser.add_argument("--min-start", type=float, default=150, help="no run starts with less time than this left")
@@ -80,8 +100,8 @@ def main() -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
-    if not tasks or not seeds or args.parallel < 1 or args.steps < 1:
-        parser.error("give at least one task and one seed, --parallel >= 1 and --steps >= 1")
+    if not tasks or not seeds or args.parallel < 1 or (args.steps or args.frames or 0) < 1:
+        parser.error("give at least one task and one seed, --parallel >= 1 and --steps or --frames >= 1")
     variants: list[tuple[str, tuple[str, ...]]] = []
     for given in args.variant:
         name, _, overrides = given.partition(":")
@@ -104,6 +124,15 @@ def main() -> int:
         task, seed, variant = job
         return f"{task} seed {seed}" + (f" [{variant[0]}]" if variant else "")
 
+    def overrides_of(job) -> list[str]:
+        return [*args.overrides, *(job[2][1] if job[2] else [])]
+
+    try:  # every run's length first: a bad preset or override stops the set before any run starts
+        run_steps = {job: agent_steps(args, job[0], overrides_of(job)) for job in jobs}
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        parser.error(f"the runs' config does not compose ({lines[0] if lines else type(error).__name__}); "
+                     f"check --preset, the tasks and the overrides")
     waiting = [job for job in jobs if not frames_reached(folder_of(job))[1]]
     print(f"[learn] {len(jobs) - len(waiting)} of {len(jobs)} runs finished; {len(waiting)} to go, "
           f"{args.parallel} at a time, {args.seconds:.0f} s", flush=True)
@@ -123,9 +152,9 @@ def main() -> int:
                 (folder / "variant").write_text(variant[0] + "\n")
             steps, _ = frames_reached(folder)
             command = [args.python, "-m", "dreamer.train", f"+exp={args.preset}", f"env.task={task}", f"seed={seed}",
-                       f"run.steps={args.steps}", f"hydra.run.dir={folder.resolve()}", *args.overrides,
-                       *(variant[1] if variant else [])]
-            print(f"[learn] {label(job)}: {'resumes at ' + format(steps, ',') if steps else 'starts'}", flush=True)
+                       f"run.steps={run_steps[job]}", f"hydra.run.dir={folder.resolve()}", *overrides_of(job)]
+            print(f"[learn] {label(job)}: {'resumes at ' + format(steps, ',') if steps else 'starts'} "
+                  f"(run.steps={run_steps[job]:,} agent steps)", flush=True)
             log = (logs / f"{folder.name}.log").open("a")
             running[job] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

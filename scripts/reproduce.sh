@@ -29,7 +29,7 @@
 #   bash scripts/reproduce.sh startup         # the worker source's start-up and memory, spawned against forked
 #                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
 #                                             # with 16 workers, emulated Minecraft with 64
-#   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio, 6 tasks x 3 seeds to 100K frames,
+#   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio_paper, 6 tasks x 3 seeds to 100K frames,
 #                                             # three runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
 #                                             # (scripts/learning_report.py). Runs resume from checkpoints on
@@ -159,15 +159,19 @@ case "${1:-}" in
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
   learn-dmc | learn-smoke)
-    # LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
+    # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
     parallel=1
     if [ "$1" = learn-dmc ]; then
       parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
+      # The recipe behind the reference's published curves (README, "Presets"); LEARN_PRESET=dmc_proprio runs
+      # its current config instead. LEARN_FRAMES: frames per run (agent steps x the preset's action repeat).
+      preset=${LEARN_PRESET:-dmc_proprio_paper}
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
-      set_args=(--steps 100000 --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
+      set_args=(--frames "${LEARN_FRAMES:-100000}" --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
       points=50000,100000
     else
+      preset=${LEARN_PRESET:-dmc_proprio}
       tasks=${LEARN_TASKS:-cartpole_balance}
       set_args=(--steps 400 --seconds "${LEARN_SECONDS:-600}" --min-start 10 -- +debug=smoke run.log_every=100
                 run.eval_every=200 run.compile=false)
@@ -182,7 +186,7 @@ case "${1:-}" in
     [ "${LEARN_PARALLEL:-$parallel}" -gt 1 ] && set_args+=(run.collect=inline)
     IFS='|' read -r -a given <<< "${LEARN_VARIANTS:-}"
     for variant in "${given[@]}"; do [ -n "$variant" ] && variants+=(--variant "$variant"); done
-    $PY scripts/learn.py --dir "$OUT/$1" --preset dmc_proprio --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
+    $PY scripts/learn.py --dir "$OUT/$1" --preset "$preset" --tasks "$tasks" --seeds "${LEARN_SEEDS:-0,1,2}" \
       --parallel "${LEARN_PARALLEL:-$parallel}" "${variants[@]}" "${set_args[@]}" | tee -a "$OUT/$1.log"
     if [ "${LEARN_DIAGNOSE:-0}" = 1 ]; then  # each run's beliefs against an episode (scripts/diagnose_learning.py)
       for run in "$OUT/$1"/*/; do

@@ -154,6 +154,9 @@ def test_the_wandb_logger_settings_are_checked():
 REFERENCE_RECIPE = {
     "dmc_proprio": ("size1m", 16, 64, 1024, 16, 1),
     "dmc_vision": ("size200m", 16, 64, 256, 16, 1),
+    # The recipe behind the reference's published DMC curves (its configs at 2411f7d, which added them).
+    "dmc_proprio_paper": ("size12m", 16, 64, 512, 16, 2),
+    "dmc_vision_paper": ("size12m", 16, 64, 512, 16, 2),
     "crafter": ("size200m", 16, 64, 512, 1, None),
     "atari100k": ("size200m", 16, 64, 256, 1, 4),
     "atari": ("size200m", 16, 64, 32, 16, 4),
@@ -179,6 +182,7 @@ def test_frames_are_env_steps_times_the_action_repeat():
 
     assert frames_per_step(_compose(["+exp=dmc_proprio"]).env) == 1
     assert frames_per_step(_compose(["+exp=dmc_proprio", "env.repeat=2"]).env) == 2
+    assert frames_per_step(_compose(["+exp=dmc_proprio_paper"]).env) == 2
     assert frames_per_step(_compose(["+exp=atari100k"]).env) == 4
     assert frames_per_step(_compose(["+exp=crafter"]).env) == 1
     assert frames_per_step(_compose([]).env) == 1

@@ -240,7 +240,8 @@ def test_presets_get_folders_of_their_own():
 
     names = {}
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        for preset in ("dmc_proprio", "dmc_vision", "atari", "atari100k", "crafter", "reference"):
+        for preset in ("dmc_proprio", "dmc_vision", "dmc_proprio_paper", "dmc_vision_paper", "atari", "atari100k",
+                       "crafter", "reference"):
             names[preset] = compose(config_name="config", overrides=[f"+exp={preset}"]).run.name
         names["default"] = compose(config_name="config").run.name
     assert len(set(names.values())) == len(names), names

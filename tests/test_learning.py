@@ -187,3 +187,22 @@ def test_variants_run_each_seed_once_per_variant_and_the_report_keeps_them_apart
                           "--tasks", "cartpole_balance", "--steps", "200", "--variant", "no overrides"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--variant must be NAME:OVERRIDES" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_frames_become_agent_steps_by_the_action_repeat_of_each_run(tmp_path):
+    """`--frames` counts as the reference's curves do (agent steps x repeat): the paper recipe's repeat 2
+    halves a run's agent steps, a variant's `env.repeat=1` keeps them. The runs' command is `true` here
+    (exits at once): what is checked is the run.steps each run is given, which learn.py prints."""
+    done = subprocess.run(
+        [sys.executable, "scripts/learn.py", "--dir", str(tmp_path / "set"), "--preset", "dmc_proprio_paper",
+         "--tasks", "walker_walk", "--seeds", "0", "--frames", "100001", "--min-start", "0", "--seconds", "60",
+         "--variant", "paper:seed=0", "--variant", "repeat1:env.repeat=1", "--python", "true"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "walker_walk seed 0 [paper]: starts (run.steps=50,001 agent steps)" in done.stdout
+    assert "walker_walk seed 0 [repeat1]: starts (run.steps=100,001 agent steps)" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "scripts/learn.py", "--dir", str(tmp_path / "set"), "--preset", "dmc_proprio_paper",
+         "--tasks", "walker_walk", "--frames", "100", "--python", "true", "env.repeat=two"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "the runs' config does not compose" in bad.stderr.strip().splitlines()[-1]
