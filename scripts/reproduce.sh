@@ -161,6 +161,9 @@ case "${1:-}" in
   learn-dmc | learn-smoke)
     # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
+    # LEARN_ARCHIVE=FILE.tgz: then every run's records (metrics, config, commit, logs, diagnoses; no checkpoints)
+    # in one archive, e.g. under a GPU machine's $OUT. A finished run's folder holding only its records is
+    # skipped by the next command (learn.py): unpack an archive's finished runs into $OUT to go on elsewhere.
     parallel=1
     if [ "$1" = learn-dmc ]; then
       parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
@@ -195,6 +198,13 @@ case "${1:-}" in
     fi
     if grep -q "runs finished$" <(tail -n 1 "$OUT/$1.log"); then
       $PY scripts/learning_report.py "$OUT/$1" --out "$OUT/$1/LEARNING.md" --frames "$points"
+    fi
+    if [ -n "${LEARN_ARCHIVE:-}" ]; then  # the set's records without its checkpoints and replay, to carry off the machine
+      archive=$(realpath -m "$LEARN_ARCHIVE")
+      (cd "$OUT" && find "$1" "$1.log" -maxdepth 2 -type f \( -name metrics.jsonl -o -name '*.yaml' -o -name commit \
+        -o -name variant -o -name 'diagnosis-*.json' -o -name '*.log' -o -name LEARNING.md -o -name '*.png' \) -print0 |
+        tar czf "$archive" --null -T -)
+      echo "records of $(find "$OUT/$1" -mindepth 2 -maxdepth 2 -name metrics.jsonl | wc -l) runs in $archive"
     fi
     ;;
   startup)

@@ -4,6 +4,7 @@ set of two tiny DeepMind Control runs (the smoke preset: a small model and short
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,29 @@ def test_frames_become_agent_steps_by_the_action_repeat_of_each_run(tmp_path):
          "--tasks", "walker_walk", "--frames", "100", "--python", "true", "env.repeat=two"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "the runs' config does not compose" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_a_learning_set_goes_on_elsewhere_from_its_archived_records(tmp_path):
+    """`reproduce.sh learn-smoke` with LEARN_ARCHIVE: the archive holds each run's records and no checkpoint;
+    unpacked into a fresh folder, the same command finds the run finished and starts nothing (a set spread
+    over GPU machines that keep no disk between leases)."""
+    import tarfile
+
+    env = {**os.environ, "PYTHON": sys.executable, "LEARN_SEEDS": "0", "MPS": "0"}
+    first, archive = tmp_path / "first", tmp_path / "records.tgz"
+    done = subprocess.run(["bash", "scripts/reproduce.sh", "learn-smoke"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**env, "OUT": str(first), "LEARN_ARCHIVE": str(archive)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"records of 1 runs in {archive}" in done.stdout
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        assert "learn-smoke/cartpole_balance-seed0/metrics.jsonl" in names
+        assert "learn-smoke/cartpole_balance-seed0/config.yaml" in names
+        assert not [n for n in names if "checkpoint" in n], names
+        second = tmp_path / "second"
+        tar.extractall(second, filter="data")
+    again = subprocess.run(["bash", "scripts/reproduce.sh", "learn-smoke"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, env={**env, "OUT": str(second)})
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "1 of 1 runs finished; 0 to go" in again.stdout
+    assert "starts" not in again.stdout and "resumes" not in again.stdout
