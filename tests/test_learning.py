@@ -150,7 +150,8 @@ def test_the_diagnosis_compares_the_models_beliefs_with_an_episode(learned, tmp_
     assert 0 < episode["actor_std_mean"] <= 1.0 and result["return_scale"] >= 1.0
     assert "value_mean" not in episode  # 100-step episodes: no state is 700 steps from its end
     assert "imagination against reality" in done.stdout
-    assert "values: not compared" in done.stdout and "nan" not in done.stdout
+    assert "values: no state 700 steps before" in done.stdout and "nan" not in done.stdout
+    assert "values, every state: critic" in done.stdout and episode["real_return_filled_mean"] > 0
     empty = tmp_path / "run"
     empty.mkdir()
     (empty / "config.yaml").write_text("seed: 0\n")
@@ -233,3 +234,19 @@ def test_a_learning_set_goes_on_elsewhere_from_its_archived_records(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "1 of 1 runs finished; 0 to go" in again.stdout
     assert "starts" not in again.stdout and "resumes" not in again.stdout
+
+
+def test_the_diagnosis_fills_a_time_limited_return_at_the_episodes_reward_rate():
+    """A steady reward r: every state's filled return is r / (1 - gamma), the value a critic that bootstraps
+    over the time limit should learn, wherever the episode ends; the cut one is short of it by gamma^n."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    from diagnose_learning import discounted_returns
+
+    gamma = 1 - 1 / 333
+    rewards = torch.full((501,), 0.4)
+    rewards[0] = 0.0  # the reset's record carries no reward
+    real, filled = discounted_returns(rewards, gamma)
+    assert torch.allclose(filled[:-1], torch.full((500,), 0.4 / (1 - gamma)), rtol=1e-4)
+    assert abs(float(real[0]) - 0.4 * (1 - gamma ** 500) / (1 - gamma)) < 1e-2
+    assert float(real[-1]) == 0.0 and float(real[-2]) == pytest.approx(0.4)
