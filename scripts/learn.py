@@ -4,10 +4,9 @@
         --seeds 0,1,2 --frames 100000 [--parallel 1] [--seconds 540] [OVERRIDE ...]
 
 Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.steps=STEPS` in its own folder,
-with `--steps` agent steps, or `--frames` turned into agent steps by the preset's action repeat (frames as the
-reference's curves count them: agent steps x repeat; the overrides given are composed in, so `env.repeat=1`
-counts),
-`DIR/<task>-seed<seed>`, with the overrides given after the options. `--variant NAME:OVERRIDES` (repeatable)
+`DIR/<task>-seed<seed>`, with the overrides given after the options. STEPS is `--steps` (agent steps), or
+`--frames` over the action repeat of the run's composed config (frames as the reference's curves count
+them: agent steps x repeat; an `env.repeat` among the overrides counts). `--variant NAME:OVERRIDES` (repeatable)
 runs each task and seed once per variant, with the variant's overrides last, in `DIR/<task>-seed<seed>-<NAME>`
 (its `variant` file names it, and the report and plots keep variants apart): an A/B on the same seeds. Up to `--parallel` runs go at once
 (on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by side made 122 updates/s
