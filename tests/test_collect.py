@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDictBase
-from torchrl.envs import EnvBase, TransformedEnv
+from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Transform
 
 from dreamer.agent import EnvLayout, LossSettings, build_agent
@@ -55,7 +55,7 @@ def _collector(factory) -> tuple[Collector, list]:
 
 def test_a_raising_env_is_rebuilt_and_its_episode_truncated():
     collector, built = _collector(
-        lambda n: TransformedEnv(make_env(CARTPOLE, 0), Sabotage(raise_at={3} if n == 0 else set())))
+        lambda n: make_env(CARTPOLE, 0).append_transform(Sabotage(raise_at={3} if n == 0 else set())))
     records, ended = [], []
     for _ in range(6):
         record, episodes = collector.step()
@@ -76,7 +76,7 @@ def test_a_raising_env_is_rebuilt_and_its_episode_truncated():
 
 
 def test_ten_failures_in_a_row_raise_a_collection_error():
-    collector, built = _collector(lambda n: TransformedEnv(make_env(CARTPOLE, 0), Sabotage(raise_at={1})))
+    collector, built = _collector(lambda n: make_env(CARTPOLE, 0).append_transform(Sabotage(raise_at={1})))
     with pytest.raises(CollectionError, match="gym env 0 failed 10 times in a row, last with RuntimeError: simulator"):
         for _ in range(40):
             collector.step()
@@ -84,7 +84,7 @@ def test_ten_failures_in_a_row_raise_a_collection_error():
 
 
 def test_non_finite_observations_stop_collection_naming_suite_key_and_step():
-    collector, _ = _collector(lambda n: TransformedEnv(make_env(CARTPOLE, 0), Sabotage(nan_at=5)))
+    collector, _ = _collector(lambda n: make_env(CARTPOLE, 0).append_transform(Sabotage(nan_at=5)))
     with pytest.raises(CollectionError, match=r"gym env 0 returned a non-finite observation \(nan or inf\) at its step 5"):
         for _ in range(10):
             collector.step()
