@@ -128,7 +128,7 @@ def _flag(value, default: bool, name: str) -> bool:
 
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
             "run.eval_every", "run.eval_episodes", "run.save_every", "run.keep_checkpoints", "run.chunk",
-            "run.sync_every", "replay.size", "optimizer.warmup", "loss.imag_length", "model.deter", "model.hidden",
+            "run.sync_every", "run.inference_threads", "replay.size", "optimizer.warmup", "loss.imag_length", "model.deter", "model.hidden",
             "model.stoch", "model.classes", "model.depth", "model.units", "model.blocks", "model.enc_layers",
             "model.dec_layers", "model.head_layers", "model.actor_layers", "model.critic_layers",
             "model.imag_layers", "model.obs_layers", "model.dyn_layers", "model.bins", "model.kernel")
@@ -155,6 +155,7 @@ RANGES = (
     ("run.chunk", lambda v: v >= 1, "at least 1"),
     ("run.sync_every", lambda v: v >= 1, "at least 1"),
     ("run.inference_wait_ms", lambda v: v >= 0, "at least 0"),
+    ("run.inference_threads", lambda v: v >= 0, "at least 0 (0 = torch's default, one per core)"),
     ("run.worker_stall_s", lambda v: v > 0, "positive"),
     ("replay.size", lambda v: v >= 1, "at least 1"),
     ("optimizer.lr", lambda v: v > 0, "positive"),
@@ -188,9 +189,16 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 
+# Settings newer than some run folders: an older config.yaml without one reads as this default (its readers
+# use the same), so that evaluating or continuing such a run still validates.
+ADDED_LATER = {"run.inference_threads": 1}
+
+
 def _check_types(cfg: DictConfig) -> None:
     for key in INTEGERS + NUMBERS:
         value = OmegaConf.select(cfg, key)
+        if value is None and key in ADDED_LATER:
+            continue
         allowed = (int,) if key in INTEGERS else (int, float)
         if isinstance(value, bool) or not isinstance(value, allowed):
             kind = "an integer" if key in INTEGERS else "a number"
@@ -199,7 +207,7 @@ def _check_types(cfg: DictConfig) -> None:
 
 def _check_ranges(cfg: DictConfig) -> None:
     for key, allowed, words in RANGES:
-        value = OmegaConf.select(cfg, key)
+        value = OmegaConf.select(cfg, key, default=ADDED_LATER.get(key))
         if not math.isfinite(value) or not allowed(value):  # inf or nan is never a setting
             raise ConfigError(f"{key} must be {words}, got {value}")
     for key, choices in CHOICES.items():

@@ -568,11 +568,18 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, cudagraph: bool, explore: bool,
            batch_wait: float, request: TensorDict, staging: list[torch.Tensor], ready, done, conn, stop,
-           trainer: int) -> None:
+           trainer: int, threads: int = 1) -> None:
     """The server's own process: torchrl's server on `device`, weight syncs from staging, stats on request."""
     reaper.bind(trainer)  # first: it dies with the trainer, however that dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when to stop (it saves first)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # One intra-op thread by default (run.inference_threads): a pass's host work is a gather and a scatter
+    # of a few rows (index_select, index_copy_), which torch splits across an OpenMP team of one thread per
+    # core; beside 64 env workers a team member that the scheduler has not run holds the whole copy up.
+    # On the 2-core development machine with two busy processes beside it, that gather and scatter of six
+    # Minecraft rows took a p99 of 56 ms on two threads against 0.31 ms on one (BENCHMARKS.md).
+    if threads > 0:
+        torch.set_num_threads(threads)
     # TF32 products in this process, which runs the acting policy only: the size200m pass measured 1.03 ms
     # of GPU time at 64 rows against 1.67 in float32 (BENCHMARKS.md). The trainer's process keeps its own
     # precision, so a server in its thread (run.inference=thread) stays float32.
@@ -600,7 +607,7 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
             conn.recv()
             with server._stats_lock:
                 forward = list(server._forward_ms)
-            conn.send((server.stats(), forward))
+            conn.send(({**server.stats(), "threads": torch.get_num_threads()}, forward))
     server.shutdown()
     stop.set()
     applier.join(timeout=2)
@@ -630,6 +637,7 @@ class Inference:
         batch_wait: float = 0.002,
         process: bool = False,
         startup_timeout: float = 600.0,
+        threads: int = 1,
     ):
         reaper.guard()  # before the transport makes the run's first semaphores
         self.device = torch.device(device)
@@ -658,7 +666,7 @@ class Inference:
         self.process = context.Process(
             target=_serve, name="dreamer-inference", daemon=True,
             args=(served.cpu(), self.transport, clients, self.device, cudagraph, explore, batch_wait, request,
-                  staging, ready, done, child, self._stop, os.getpid()))
+                  staging, ready, done, child, self._stop, os.getpid(), threads))
         self.startup_timeout = startup_timeout
 
         def apply() -> None:  # the server's process copies staging in between two passes

@@ -282,7 +282,8 @@ class WorkerSource(Source):
         own_process = cfg.run.inference == "process" or (cfg.run.inference == "auto" and self.device.type == "cuda")
         began = time.monotonic()
         self.inference = Inference(self.policy, self.layout, self.size, self.envs, self.device, self.cudagraph,
-                                   batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process)
+                                   batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process,
+                                   threads=int(cfg.run.get("inference_threads", 1)))
         try:
             self.inference.start()
         except RuntimeError as error:

@@ -119,6 +119,8 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("model.mults", [2, 0], "model.mults must be a list of positive integers"),
     ("run.eval_video", "yes", "run.eval_video must be true or false"),
     ("run.collect", "threads", "run.collect must be inline, workers or auto, got 'threads'"),
+    ("run.inference_threads", -1, "run.inference_threads must be at least 0 (0 = torch's default"),
+    ("run.inference_threads", 1.5, "run.inference_threads must be an integer, got 1.5"),
     ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are entropy, "),
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
 ])
@@ -146,6 +148,10 @@ def test_the_wandb_logger_settings_are_checked():
     # A run folder's config.yaml from before init_timeout existed still validates (dreamer.evaluate reads it).
     with open_dict(cfg):
         del cfg.logger["init_timeout"]
+    validate(cfg)
+    # So does one from before run.inference_threads existed.
+    with open_dict(cfg):
+        del cfg.run["inference_threads"]
     validate(cfg)
 
 

@@ -234,9 +234,12 @@ def test_a_killed_inference_server_process_is_a_collection_error_for_every_call_
     """The calls the training loop makes on the server (weight sync, statistics) raise CollectionError,
     one line with the exit code: the loop saves a checkpoint and stops on that error."""
     layout, agent = _agent()
-    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu"), process=True).start()
+    inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu"), process=True,
+                          threads=3).start()
     try:
         assert inference.sync() and inference.sync.wait(60) and inference.stats()["inference/weight_syncs"] == 1
+        # run.inference_threads reaches the server's process (3: neither the default of 1 nor torch's own here).
+        assert inference.snapshot()[0]["threads"] == 3
         os.kill(inference.process.pid, signal.SIGKILL)
         inference.process.join(timeout=30)
         for call in (inference.sync, inference.stats, inference.sync):  # and again: no other error later
