@@ -123,6 +123,22 @@ def test_benchmark_and_baseline_scripts_run(workdir):
     assert baseline.returncode == 0 and "random policy mean return" in baseline.stdout
 
 
+def test_the_server_copies_benchmark_times_each_thread_count_in_a_process_of_its_own(workdir):
+    """Each --threads value is applied in its own process (3 threads is neither 1 nor this machine's
+    default here), the rows are the Minecraft preset's at the model asked; times are not checked."""
+    bench = _python([str(ROOT / "scripts" / "bench_server_copies.py"), "--threads", "3,1", "--busy", "1",
+                     "--passes", "100", "--model", "size1m"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    lines = [json.loads(line) for line in bench.stdout.strip().splitlines()]
+    assert [(r["asked"], r["threads"]) for r in lines[:2]] == [(3, 3), (1, 1)]
+    assert lines[0]["request_bytes"] > 64 * 64 * 3 and lines[0]["model"] == "size1m"
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in lines[:2])
+    assert lines[2]["of"] == "3 threads" and lines[2]["against"] == "1 threads"
+    refused = _python([str(ROOT / "scripts" / "bench_server_copies.py"), "--threads", "two"], workdir)
+    assert refused.returncode == 2
+    assert "--threads must be comma-separated integers" in refused.stderr.strip().splitlines()[-1]
+
+
 def test_the_startup_benchmark_measures_both_ways_of_starting_workers(workdir):
     """Both methods start the application's workers (their processes are found and measured: the fork
     server's run has one process more), the ratio line follows; times are not checked."""
