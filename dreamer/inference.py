@@ -577,7 +577,7 @@ def _serve(policy: ActingPolicy, transport, clients: int, device: torch.device, 
     # of a few rows (index_select, index_copy_), which torch splits across an OpenMP team of one thread per
     # core; beside 64 env workers a team member that the scheduler has not run holds the whole copy up.
     # On the 2-core development machine with two busy processes beside it, that gather and scatter of six
-    # Minecraft rows took a p99 of 56 ms on two threads against 0.31 ms on one (BENCHMARKS.md).
+    # Minecraft rows took a p99 of 59.4 ms on two threads against 0.27 ms on one (BENCHMARKS.md).
     if threads > 0:
         torch.set_num_threads(threads)
     # TF32 products in this process, which runs the acting policy only: the size200m pass measured 1.03 ms
@@ -622,7 +622,8 @@ class Inference:
 
     `process=True` runs the server in a process of its own (spawned; the served copy of the weights
     and the staging buffer are shared with it, through CUDA IPC on a GPU), so its Python work never
-    waits for the trainer's (the GIL); `False` runs it in a thread of this process.
+    waits for the trainer's (the GIL), with `threads` intra-op threads (0: torch's default; see `_serve`);
+    `False` runs it in a thread of this process.
     """
 
     def __init__(
