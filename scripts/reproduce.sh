@@ -25,6 +25,8 @@
 #                                             # (scripts/run_figures.py)
 #   bash scripts/reproduce.sh minecraft-4gpu  # the same with topology=4gpu for 8.5 minutes (a 4-GPU machine)
 #   bash scripts/reproduce.sh minecraft-1gpu  # the same with topology=1gpu for 8.5 minutes, for the side by side
+#   bash scripts/reproduce.sh server-threads  # the inference server's host copies by intra-op threads, then the
+#                                             # Minecraft preset collecting only with run.inference_threads=0, 1
 #   bash scripts/reproduce.sh envs            # env throughput with 1, 16 and 64 workers
 #   bash scripts/reproduce.sh startup         # the worker source's start-up and memory, spawned against forked
 #                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
@@ -158,6 +160,22 @@ case "${1:-}" in
     tail -n 30 "$OUT/$1.log"
     $PY scripts/run_figures.py "$OUT/$1-run" --out "$OUT/$1.jsonl"
     ;;
+  server-threads)
+    # The inference server's host copies by its process's intra-op threads (scripts/bench_server_copies.py,
+    # beside SERVER_BUSY busy processes), then the Minecraft preset collecting only (no update:
+    # run.train_start past the run; a replay of 200K records holds what 110 s collect) with the server on
+    # torch's default threads and on one, SERVER_SECONDS each; then their figures.
+    $PY scripts/bench_server_copies.py --threads 0,1 --busy "${SERVER_BUSY:-8}" --passes 1000 \
+      | tee "$OUT/server-copies.jsonl"
+    for threads in 0 1; do
+      timeout --foreground --signal=INT -k 30 "${SERVER_SECONDS:-110}" $PY -m dreamer.train +exp=minecraft env=emulated \
+        run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=$threads \
+        hydra.run.dir="$OUT/server-threads$threads-run" > "$OUT/server-threads$threads.log" 2>&1 || true
+      rm -rf "$OUT/server-threads$threads-run/checkpoints"
+      $PY scripts/run_figures.py "$OUT/server-threads$threads-run" --out "$OUT/server-threads.jsonl" ||
+        echo "run.inference_threads=$threads: no figures (its log: $OUT/server-threads$threads.log)"
+    done
+    ;;
   learn-dmc | learn-smoke)
     # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
@@ -167,7 +185,8 @@ case "${1:-}" in
     parallel=1
     if [ "$1" = learn-dmc ]; then
       parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
-      # The recipe behind the reference's published curves (README, "Presets"); LEARN_PRESET=dmc_proprio runs
+      # The recipe behind the reference's published curves (README, "Which DeepMind Control recipe matches the
+      # reference's curves"); LEARN_PRESET=dmc_proprio runs
       # its current config instead. LEARN_FRAMES: frames per run (agent steps x the preset's action repeat).
       preset=${LEARN_PRESET:-dmc_proprio_paper}
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
