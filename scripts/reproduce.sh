@@ -186,8 +186,8 @@ case "${1:-}" in
     if [ "$1" = learn-dmc ]; then
       parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
       # The recipe behind the reference's published curves (README, "Which DeepMind Control recipe matches the
-      # reference's curves"); LEARN_PRESET=dmc_proprio runs
-      # its current config instead. LEARN_FRAMES: frames per run (agent steps x the preset's action repeat).
+      # reference's curves"); LEARN_PRESET=dmc_proprio runs its current config instead. LEARN_FRAMES: frames
+      # per run (agent steps x the preset's action repeat).
       preset=${LEARN_PRESET:-dmc_proprio_paper}
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
       set_args=(--frames "${LEARN_FRAMES:-100000}" --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
