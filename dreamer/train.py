@@ -165,7 +165,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps and owed_updates: see dreamer.pipeline.Updates.
-    counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
+    # eval_owed: a stop cut the scheduled evaluation short; the resumed command runs it first.
+    counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0, "eval_owed": 0}
     if resumed:
         path, state = resumed
         try:
@@ -209,8 +210,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
 
     def run_eval(kind: str) -> bool:
         """One evaluation of run.eval_episodes episodes, recorded; False (nothing recorded) when a stop
-        cut it short: a partial mean is not the measure asked for, and a final evaluation left unrecorded
-        is run again by the same command."""
+        cut it short: a partial mean is not the measure asked for, and the same command runs it again (a
+        scheduled one first thing on resuming, at the checkpoint's step; a final one after the loop)."""
         source.settle()  # no step of the inline source runs beside the evaluation's
         episodes = cfg.run.eval_episodes
         print(f"dreamer: {'final ' if kind == 'final_eval' else ''}evaluation: {episodes} episode"
@@ -285,7 +286,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             write_pending()
         # The last scheduled evaluation is the final one, after the loop.
         if should_eval(counters["env_steps"]) and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
-            run_eval("eval")
+            counters["eval_owed"] = int(not run_eval("eval"))
         if should_save(counters["env_steps"]):
             save(wait=False)
 
@@ -300,6 +301,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
 
     try:
         with checkpoint.GracefulStop() as stop:
+            if counters["eval_owed"] and cfg.run.eval_episodes and counters["env_steps"] < cfg.run.steps:
+                print("dreamer: the evaluation that a stop cut short runs again first", flush=True)
+                counters["eval_owed"] = int(not run_eval("eval"))
             while counters["env_steps"] < cfg.run.steps and not stop:
                 try:
                     step()

@@ -103,6 +103,41 @@ def test_a_stop_during_the_final_evaluation_records_none_and_the_same_command_ru
     assert max(r["updates"] for r in _records(run)) == final["updates"]  # the rerun trained nothing
 
 
+def test_an_evaluation_cut_short_by_a_stop_runs_again_when_the_run_resumes(workdir):
+    """SIGINT during a scheduled (not final) evaluation: nothing recorded for it; the resumed command runs
+    that evaluation first, at the checkpoint's step, before it trains on (a cut evaluation used to be lost:
+    the schedule had already passed its step)."""
+    args = ["+exp=emulated", "+debug=smoke", "env.max_episode_steps=2000", "env.step_latency=0.005",
+            "run.collect=inline", "run.eval_every=128", "run.eval_episodes=1", "run.name=cut"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    process = subprocess.Popen([sys.executable, "-m", "dreamer.train", *args], cwd=workdir, env=environment,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, at = [], None
+    for line in process.stdout:
+        seen.append(line)
+        if match := re.match(r"dreamer: evaluation: 1 episode at ([\d,]+) env steps", line):
+            at = match.group(1)
+            time.sleep(1.0)
+            process.send_signal(signal.SIGINT)
+            break
+    out, err = process.communicate(timeout=120)
+    out = "".join(seen) + out
+    assert process.returncode == 0 and at, err[-3000:] + out[-2000:]
+    assert "dreamer: evaluation stopped by SIGINT after 0 of 1 episodes: not recorded" in out, out[-2000:]
+    run = workdir / "runs" / "cut"
+    assert not [r for r in _records(run) if r["kind"].endswith("eval")]
+    saved = int(_checkpoints(run)[-1].stem.split("-")[1])
+    assert f"{saved:,}" == at  # saved at the step of the cut evaluation
+
+    result = run_train(args, workdir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "the evaluation that a stop cut short runs again first" in out, out[-2000:]
+    assert out.index(f"dreamer: evaluation: 1 episode at {at} env steps") < out.index("final evaluation")
+    evals = [r for r in _records(run) if r["kind"] == "eval"]
+    assert [r["env_steps"] for r in evals] == [saved] and evals[0]["eval/episodes"] == 1
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
