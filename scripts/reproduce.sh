@@ -172,7 +172,7 @@ case "${1:-}" in
         run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=$threads \
         hydra.run.dir="$OUT/server-threads$threads-run" > "$OUT/server-threads$threads.log" 2>&1 || true
       rm -rf "$OUT/server-threads$threads-run/checkpoints"
-      $PY scripts/run_figures.py "$OUT/server-threads$threads-run" --out "$OUT/server-threads.jsonl" ||
+      $PY scripts/run_figures.py "$OUT/server-threads$threads-run" --collecting --out "$OUT/server-threads.jsonl" ||
         echo "run.inference_threads=$threads: no figures (its log: $OUT/server-threads$threads.log)"
     done
     ;;

@@ -205,6 +205,12 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
     line = json.loads(figures.stdout)
     assert line["collecting"]["updates_per_s"] == 0 and line["training"]["updates_per_s"] > 0
     assert line["training_over_collecting"] > 0 and line["training"]["learner/busy"] > 0
+    alone = subprocess.run([sys.executable, str(ROOT / "scripts" / "run_figures.py"), "runs/workers", "--collecting"],
+                           cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    alone = json.loads(alone.stdout)
+    assert alone["collecting"] == line["collecting"] and "training" not in alone
+    assert alone["collecting_env_steps_per_s_mean"] > 0
     assert any(r["kind"] == "final_eval" for r in records)
 
 
