@@ -32,7 +32,7 @@
 #                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
 #                                             # with 16 workers, emulated Minecraft with 64
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio_paper, 6 tasks x 3 seeds to 100K frames,
-#                                             # three runs at once under CUDA's MPS, 9 minutes per command:
+#                                             # six runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
 #                                             # (scripts/learning_report.py). Runs resume from checkpoints on
 #                                             # this machine's disk: chain the commands on one machine.
@@ -184,7 +184,10 @@ case "${1:-}" in
     # skipped by the next command (learn.py): unpack an archive's finished runs into $OUT to go on elsewhere.
     parallel=1
     if [ "$1" = learn-dmc ]; then
-      parallel=3  # one H200: 3 runs at once under MPS (on by default here) made 1.61 x the updates of one alone
+      # One H200, under MPS (on by default here): six dmc_proprio_paper runs at once made 28 to 29 updates/s
+      # each, a seed of all six tasks to 100K frames in two 9-minute commands (LEARNING.md); dmc_proprio made
+      # 1.61 x the updates of one alone with three at once and 2.35 x with six (BENCHMARKS.md).
+      parallel=6
       # The recipe behind the reference's published curves (README, "Which DeepMind Control recipe matches the
       # reference's curves"); LEARN_PRESET=dmc_proprio runs its current config instead. LEARN_FRAMES: frames
       # per run (agent steps x the preset's action repeat).

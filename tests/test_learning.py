@@ -250,3 +250,16 @@ def test_the_diagnosis_fills_a_time_limited_return_at_the_episodes_reward_rate()
     assert torch.allclose(filled[:-1], torch.full((500,), 0.4 / (1 - gamma)), rtol=1e-4)
     assert abs(float(real[0]) - 0.4 * (1 - gamma ** 500) / (1 - gamma)) < 1e-2
     assert float(real[-1]) == 0.0 and float(real[-2]) == pytest.approx(0.4)
+
+
+def test_the_table_of_learning_md_is_what_its_recorded_runs_give(tmp_path):
+    """LEARNING.md's newest table is rebuilt from the run records kept in the repository
+    (learning/runs/dmc_proprio_paper): every row of the rebuilt table is in the file."""
+    out = tmp_path / "LEARNING.md"
+    done = subprocess.run([sys.executable, "scripts/learning_report.py", "learning/runs/dmc_proprio_paper", "--out",
+                           str(out), "--frames", "50000,100000"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("|")]
+    committed = (ROOT / "LEARNING.md").read_text().splitlines()
+    assert len(rows) == 2 + 6 * 3 and all(row in committed for row in rows)
