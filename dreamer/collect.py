@@ -235,14 +235,27 @@ class Collector:
         self.seconds["step"] += time.perf_counter() - began
         return record, episodes
 
-    def run_episodes(self, count: int, stop: Callable[[], bool] | None = None) -> list[Episode]:
-        """Steps until `count` episodes have ended (evaluation), or until `stop()`; starts from fresh resets."""
+    def run_episodes(self, count: int, stop: Callable[[], bool] | None = None,
+                     each: Callable[[TensorDictBase, list[Episode]], None] | None = None) -> list[Episode]:
+        """Steps until `count` episodes have ended (evaluation), or until `stop()`; starts from fresh resets.
+
+        With n envs, env i gives its first `count // n` episodes (one more for i < count % n), however long
+        they are: the first `count` to end would favour short episodes. An env past its share keeps stepping
+        until the others are done; its further episodes are not counted. `each(records, ended)` sees every
+        step's records and the episodes that ended in it (counted or not)."""
         self.reset()
+        n = len(self.envs)
+        share = [count // n + (i < count % n) for i in range(n)]
         finished: list[Episode] = []
         while len(finished) < count and not (stop and stop()):
-            _, episodes = self.step()
-            finished.extend(episodes)
-        return finished[:count]
+            record, episodes = self.step()
+            if each is not None:
+                each(record, episodes)
+            for episode in episodes:
+                if share[episode.env]:
+                    share[episode.env] -= 1
+                    finished.append(episode)
+        return finished
 
     def close(self) -> None:
         for env in self.envs:

@@ -127,7 +127,7 @@ def _flag(value, default: bool, name: str) -> bool:
 
 
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
-            "run.eval_every", "run.eval_episodes", "run.save_every", "run.keep_checkpoints", "run.chunk",
+            "run.eval_every", "run.eval_episodes", "run.eval_envs", "run.save_every", "run.keep_checkpoints", "run.chunk",
             "run.sync_every", "run.inference_threads", "replay.size", "optimizer.warmup", "loss.imag_length",
             "model.deter", "model.hidden", "model.stoch", "model.classes", "model.depth", "model.units",
             "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers", "model.actor_layers",
@@ -150,6 +150,7 @@ RANGES = (
     ("run.log_every", lambda v: v >= 0, "at least 0 (env steps between records; 0 = never)"),
     ("run.eval_every", lambda v: v >= 0, "at least 0 (env steps between evaluations; 0 = never)"),
     ("run.eval_episodes", lambda v: v >= 0, "at least 0 (0 = no evaluation)"),
+    ("run.eval_envs", lambda v: v >= 1, "at least 1 (envs an evaluation steps at once)"),
     ("run.save_every", lambda v: v >= 0, "at least 0 (env steps between checkpoints; 0 = only at the end)"),
     ("run.keep_checkpoints", lambda v: v >= 1, "at least 1 (the newest checkpoints kept)"),
     ("run.chunk", lambda v: v >= 1, "at least 1"),
@@ -191,7 +192,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 # Settings newer than some run folders: an older config.yaml without one reads as this default (its readers
 # use the same), so that evaluating or continuing such a run still validates.
-ADDED_LATER = {"run.inference_threads": 1}
+ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1}
 
 
 def _check_types(cfg: DictConfig) -> None:

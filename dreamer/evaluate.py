@@ -1,10 +1,11 @@
 """Evaluation episodes with the policy's mode (no exploration noise).
 
-As a command:  python -m dreamer.evaluate RUN_DIR [--episodes N] [--checkpoint PATH] [--no-video]
-loads the run's config.yaml and its newest checkpoint, runs N episodes, and writes
-RUN_DIR/eval/eval-<env steps>.json (returns, lengths, checkpoint) and, for image environments,
-RUN_DIR/eval/eval-<env steps>.mp4 (the episodes' frames, in order) and eval-<env steps>-openloop.mp4
-(real frames beside the world model's open-loop predictions of the first episode).
+As a command:  python -m dreamer.evaluate RUN_DIR [--episodes N] [--envs E] [--checkpoint PATH] [--no-video]
+loads the run's config.yaml and its newest checkpoint, runs N episodes on E envs at once (default: the
+run's run.eval_envs; each env plays its share of the N), and writes RUN_DIR/eval/eval-<env steps>.json
+(returns, lengths, checkpoint) and, for image environments, RUN_DIR/eval/eval-<env steps>.mp4 (the first
+env's episodes' frames, in order) and eval-<env steps>-openloop.mp4 (real frames beside the world model's
+open-loop predictions of its first episode).
 """
 
 from __future__ import annotations
@@ -42,18 +43,22 @@ def evaluate(collector: Collector, episodes: int, stop: Callable[[], bool] | Non
 
 def run_with_frames(collector: Collector, episodes: int, stop: Callable[[], bool] | None = None
                     ) -> tuple[list[Episode], list[torch.Tensor], list]:
-    """Like Collector.run_episodes on one env, also returning its image frames [C, H, W] (if any) and the
-    replay records of the first episode."""
-    collector.reset()
-    finished, frames, first = [], [], []
-    while len(finished) < episodes and not (stop and stop()):
-        record, ended = collector.step()
-        if ("next", "pixels") in record.keys(True):
-            frames.append(record.get(("next", "pixels"))[0])
-        if not finished:
-            first.append(record[0])
-        finished.extend(ended)
-    return finished[:episodes], frames, first
+    """Like Collector.run_episodes, also returning the image frames [C, H, W] (if any) of the first env's
+    episodes and the replay records of its first episode."""
+    frames, first = [], []
+    own = episodes // len(collector.envs) + (episodes % len(collector.envs) > 0)  # the first env's share
+    ended = 0  # of the first env's episodes
+
+    def keep(record, finished: list[Episode]) -> None:
+        nonlocal ended
+        if ended < own:
+            if ("next", "pixels") in record.keys(True):
+                frames.append(record.get(("next", "pixels"))[0])
+            if not ended:
+                first.append(record[0])
+        ended += sum(episode.env == 0 for episode in finished)
+
+    return collector.run_episodes(episodes, stop, keep), frames, first
 
 
 @torch.no_grad()
@@ -197,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=5)
     parser.add_argument("--checkpoint", type=Path, default=None, help="default: the run's newest checkpoint")
     parser.add_argument("--no-video", action="store_true")
+    parser.add_argument("--envs", type=int, default=None,
+                        help="envs stepped at once, each playing its share of the episodes (default: the run's "
+                             "run.eval_envs; the video shows the first env's episodes)")
     args = parser.parse_args(argv)
     logging.getLogger("torchrl").setLevel(logging.WARNING)
 
@@ -204,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.episodes < 1:
         print(f"error: --episodes must be at least 1, got {args.episodes}", file=sys.stderr)
+        return 2
+    if args.envs is not None and args.envs < 1:
+        print(f"error: --envs must be at least 1, got {args.envs}", file=sys.stderr)
         return 2
     run_dir = args.run_dir
     try:
@@ -214,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     cfg, settings, state, path, env, layout, agent = loaded
     device = settings.topology.learner
-    collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED), agent.policy, layout,
+    envs = min(args.envs or int(cfg.run.get("eval_envs", 1)), args.episodes)
+    collector = Collector([env] + [make_env(cfg.env, cfg.seed + EVAL_SEED, i) for i in range(1, envs)],
+                          lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED, i), agent.policy, layout,
                           settings.size, device, explore=False, suite=cfg.env.suite)
     finished, frames, first = run_with_frames(collector, args.episodes)
     collector.close()

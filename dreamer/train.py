@@ -161,7 +161,10 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
                       progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
-    evaluator = Collector([eval_env], lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET), agent.policy,
+    # run.eval_envs at once (no more than an evaluation's episodes), seeded apart from each other
+    eval_envs = [eval_env] + [make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET, i)
+                              for i in range(1, min(cfg.run.eval_envs, max(cfg.run.eval_episodes, 1)))]
+    evaluator = Collector(eval_envs, lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET, i), agent.policy,
                           layout, settings.size, device, explore=False, suite=cfg.env.suite)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps and owed_updates: see dreamer.pipeline.Updates.

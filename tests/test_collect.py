@@ -104,3 +104,27 @@ def test_episodes_stop_early_when_asked_and_none_finished_is_summarized():
     calls.clear()
     assert evaluate(collector, 3, stop_after_three_steps) == {"eval/episodes": 0}
     assert len(collector.run_episodes(2)) == 2  # without a stop, the episodes run to their end
+
+
+def test_several_envs_each_play_their_share_of_an_evaluation_whatever_its_episodes_last():
+    """Env 0's episodes end after 3 steps, env 1's last longer: the first 4 to end would all be env 0's
+    (short ones favoured); each env gives 2, and the first env's first episode is the one kept in full."""
+    from dreamer.evaluate import run_with_frames
+
+    short = OmegaConf.create({**CARTPOLE, "max_episode_steps": 3})
+
+    def build(index: int) -> EnvBase:
+        return make_env(short if index == 0 else CARTPOLE, 0, index)
+
+    envs = [build(0), build(1)]
+    layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
+    size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    agent = build_agent(layout, size, LossSettings())
+    collector = Collector(envs, build, agent.policy, layout, size, "cpu", explore=False, suite="gym")
+    finished = collector.run_episodes(4)
+    assert sorted(e.env for e in finished) == [0, 0, 1, 1]
+    assert all(e.length == 3 for e in finished if e.env == 0)
+    assert all(e.length > 3 for e in finished if e.env == 1)
+    finished, frames, first = run_with_frames(collector, 3)  # shares: 2 for env 0, 1 for env 1
+    assert sorted(e.env for e in finished) == [0, 0, 1] and frames == []  # CartPole has no image
+    assert len(first) == 3 + 1 and bool(first[0].get("is_init")) and bool(first[-1].get(("next", "done")))

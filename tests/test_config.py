@@ -121,6 +121,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("run.collect", "threads", "run.collect must be inline, workers or auto, got 'threads'"),
     ("run.inference_threads", -1, "run.inference_threads must be at least 0 (0 = torch's default"),
     ("run.inference_threads", 1.5, "run.inference_threads must be an integer, got 1.5"),
+    ("run.eval_envs", 0, "run.eval_envs must be at least 1 (envs an evaluation steps at once)"),
     ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are entropy, "),
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
 ])
@@ -149,9 +150,12 @@ def test_the_wandb_logger_settings_are_checked():
     with open_dict(cfg):
         del cfg.logger["init_timeout"]
     validate(cfg)
-    # So does one from before run.inference_threads existed.
+    # So does one from before run.inference_threads existed, and one from before run.eval_envs.
     with open_dict(cfg):
         del cfg.run["inference_threads"]
+    validate(cfg)
+    with open_dict(cfg):
+        del cfg.run["eval_envs"]
     validate(cfg)
 
 

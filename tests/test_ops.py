@@ -36,6 +36,14 @@ def test_evaluate_writes_returns_and_a_video_that_decodes(workdir):
     # each frame the real image beside the predicted one.
     predicted = [frame for frame in imageio.get_reader(out / "eval-000000000256-openloop.mp4")]
     assert len(predicted) == 26 and predicted[0].shape == (64, 128, 3)
+    # Two envs at once: 3 episodes, 2 of them the first env's (the video's), 1 the second's.
+    result = _python(["-m", "dreamer.evaluate", "runs/ev", "--episodes", "3", "--envs", "2"], workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads((out / "eval-000000000256.json").read_text())
+    assert record["eval/episodes"] == 3 and record["lengths"] == [30, 30, 30]
+    assert len([frame for frame in imageio.get_reader(out / "eval-000000000256.mp4")]) == 62
+    result = _python(["-m", "dreamer.evaluate", "runs/ev", "--envs", "0"], workdir)
+    assert result.returncode == 2 and result.stderr.strip() == "error: --envs must be at least 1, got 0"
 
 
 def test_evaluate_without_a_checkpoint_says_so_in_one_line(workdir):
