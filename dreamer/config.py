@@ -129,9 +129,10 @@ def _flag(value, default: bool, name: str) -> bool:
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
             "run.eval_every", "run.eval_episodes", "run.eval_envs", "run.save_every", "run.keep_checkpoints",
             "run.chunk", "run.sync_every", "run.inference_threads", "replay.size", "optimizer.warmup",
-            "loss.imag_length", "model.deter", "model.hidden", "model.stoch", "model.classes", "model.depth", "model.units",
-            "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers", "model.actor_layers",
-            "model.critic_layers", "model.imag_layers", "model.obs_layers", "model.dyn_layers", "model.bins", "model.kernel")
+            "loss.imag_length", "model.deter", "model.hidden", "model.stoch", "model.classes", "model.depth",
+            "model.units", "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers",
+            "model.actor_layers", "model.critic_layers", "model.imag_layers", "model.obs_layers", "model.dyn_layers",
+            "model.bins", "model.kernel")
 NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "optimizer.lr", "optimizer.eps",
            "optimizer.agc", "optimizer.beta1", "optimizer.beta2", "loss.horizon", "loss.lmbda", "loss.entropy",
            "loss.kl_dynamic", "loss.kl_representation", "loss.free_nats", "loss.replay_value", "loss.slow_critic",
