@@ -254,9 +254,9 @@ def test_the_diagnosis_fills_a_time_limited_return_at_the_episodes_reward_rate()
 
 def test_the_table_of_learning_md_is_what_its_recorded_runs_give(tmp_path):
     """LEARNING.md's newest table is rebuilt from the run records kept in the repository
-    (learning/runs/dmc_proprio_paper): every row of the rebuilt table is in the file."""
+    (learning/sets/dmc_proprio_paper): every row of the rebuilt table is in the file."""
     out = tmp_path / "LEARNING.md"
-    done = subprocess.run([sys.executable, "scripts/learning_report.py", "learning/runs/dmc_proprio_paper", "--out",
+    done = subprocess.run([sys.executable, "scripts/learning_report.py", "learning/sets/dmc_proprio_paper", "--out",
                            str(out), "--frames", "50000,100000"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
