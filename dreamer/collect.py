@@ -43,6 +43,12 @@ class Episode:
     stats: dict[str, float] = field(default_factory=dict)  # the env's log_<name> flags at the end
 
 
+
+def shares(count: int, envs: int) -> list[int]:
+    """The episodes each of `envs` envs gives to an evaluation of `count`: env i gives count // envs, one more
+    for i < count % envs."""
+    return [count // envs + (i < count % envs) for i in range(envs)]
+
 class Collector:
     """Drives envs with the acting policy (random exploration, or the policy's mode for evaluation)."""
 
@@ -244,8 +250,7 @@ class Collector:
         until the others are done; its further episodes are not counted. `each(records, ended)` sees every
         step's records and the episodes that ended in it (counted or not)."""
         self.reset()
-        n = len(self.envs)
-        share = [count // n + (i < count % n) for i in range(n)]
+        share = shares(count, len(self.envs))
         finished: list[Episode] = []
         while len(finished) < count and not (stop and stop()):
             record, episodes = self.step()

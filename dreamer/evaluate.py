@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dreamer.collect import Collector, Episode
+from dreamer.collect import Collector, Episode, shares
 
 
 def summarize(finished: list[Episode]) -> dict[str, float]:
@@ -41,12 +41,22 @@ def evaluate(collector: Collector, episodes: int, stop: Callable[[], bool] | Non
     return summarize(collector.run_episodes(episodes, stop))
 
 
+def make_evaluator(cfg, env, envs: int, seed: int, policy, layout, size, device) -> Collector:
+    """The collector an evaluation steps: `env` (already built, seeded `seed`) and envs - 1 more of the run's
+    env config, each seeded apart (make_env's index); acting deterministically."""
+    from dreamer.envs import make_env
+
+    return Collector([env] + [make_env(cfg.env, seed, i) for i in range(1, envs)],
+                     lambda i: make_env(cfg.env, seed, i), policy, layout, size, device, explore=False,
+                     suite=cfg.env.suite)
+
+
 def run_with_frames(collector: Collector, episodes: int, stop: Callable[[], bool] | None = None
                     ) -> tuple[list[Episode], list[torch.Tensor], list]:
     """Like Collector.run_episodes, also returning the image frames [C, H, W] (if any) of the first env's
     episodes and the replay records of its first episode."""
     frames, first = [], []
-    own = episodes // len(collector.envs) + (episodes % len(collector.envs) > 0)  # the first env's share
+    own = shares(episodes, len(collector.envs))[0]
     ended = 0  # of the first env's episodes
 
     def keep(record, finished: list[Episode]) -> None:
@@ -207,9 +217,6 @@ def main(argv: list[str] | None = None) -> int:
                              "run.eval_envs; the video shows the first env's episodes)")
     args = parser.parse_args(argv)
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-
-    from dreamer.envs import make_env
-
     if args.episodes < 1:
         print(f"error: --episodes must be at least 1, got {args.episodes}", file=sys.stderr)
         return 2
@@ -226,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, settings, state, path, env, layout, agent = loaded
     device = settings.topology.learner
     envs = min(args.envs or int(cfg.run.get("eval_envs", 1)), args.episodes)
-    collector = Collector([env] + [make_env(cfg.env, cfg.seed + EVAL_SEED, i) for i in range(1, envs)],
-                          lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED, i), agent.policy, layout,
-                          settings.size, device, explore=False, suite=cfg.env.suite)
+    collector = make_evaluator(cfg, env, envs, cfg.seed + EVAL_SEED, agent.policy, layout, settings.size, device)
     finished, frames, first = run_with_frames(collector, args.episodes)
     collector.close()
     out = run_dir / "eval"

@@ -17,10 +17,11 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.collect import CollectionError, Collector
+from dreamer.collect import CollectionError
 from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
 from dreamer.envs import frames_per_step, make_env
-from dreamer.evaluate import evaluate, missing_video_support, run_with_frames, summarize, write_videos
+from dreamer.evaluate import (evaluate, make_evaluator, missing_video_support, run_with_frames, summarize,
+                              write_videos)
 from dreamer.inference import request_spec
 from dreamer.learner import Learner
 from dreamer.metrics import Metrics, read_records, run_summary, summarize_episodes
@@ -162,10 +163,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     # run.eval_envs at once (no more than an evaluation's episodes), seeded apart from each other
-    eval_envs = [eval_env] + [make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET, i)
-                              for i in range(1, min(cfg.run.eval_envs, max(cfg.run.eval_episodes, 1)))]
-    evaluator = Collector(eval_envs, lambda i: make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET, i), agent.policy,
-                          layout, settings.size, device, explore=False, suite=cfg.env.suite)
+    evaluator = make_evaluator(cfg, eval_env, min(cfg.run.eval_envs, max(cfg.run.eval_episodes, 1)),
+                               cfg.seed + EVAL_SEED_OFFSET, agent.policy, layout, settings.size, device)
     ratio = DreamerV3UpdateRatio(settings.updates_per_step)
     # train_steps and owed_updates: see dreamer.pipeline.Updates.
     # eval_owed: a stop cut the scheduled evaluation short; the resumed command runs it first.
