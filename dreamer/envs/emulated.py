@@ -58,7 +58,9 @@ class EmulatedMineRL:
     def _obs(self) -> dict:
         offset = int(self.yaw / 15.0) % 4 * (self.width // 4) + int(self.pitch)
         view = np.roll(self.texture, -offset, axis=1)[:, : self.width]
-        view = (view.astype(np.int16) + 3 * self.steps) % 256  # time passes: the view drifts
+        # Time passes: the view drifts (its shift taken modulo 256: the same view, and int16 holds it at any
+        # step, where 3 x steps overflows it past step 10,922 of an episode).
+        view = (view.astype(np.int16) + 3 * self.steps % 256) % 256
         return {
             "pov": view.astype(np.uint8),
             "inventory": {item: np.int64(self.inventory.get(item, 0)) for item in ITEMS + ("log2",)},
