@@ -85,6 +85,7 @@ ENUMS = {
     "nearbySmelt": ("none", "iron_ingot", "coal"),
 }
 STICKY_ATTACK, STICKY_JUMP, PITCH_LIMIT = 30, 10, 60.0
+FLAG_KEYS = tuple(f"log_milestone_{item}" for item in MILESTONES)
 
 
 def noop_action() -> dict:
@@ -96,7 +97,7 @@ def noop_action() -> dict:
 
 
 def inventory_counts(inventory: dict) -> np.ndarray:
-    counts = np.array([float(inventory.get(item, 0)) for item in ITEMS], dtype=np.float32)
+    counts = np.fromiter((inventory.get(item, 0) for item in ITEMS), dtype=np.float32, count=len(ITEMS))
     counts[ITEMS.index("log")] += float(inventory.get("log2", 0))  # both kinds of wood are "log"
     return counts
 
@@ -107,6 +108,22 @@ def equipped_one_hot(equipped: dict) -> np.ndarray:
     one_hot = np.zeros(len(EQUIPPED), dtype=np.float32)
     one_hot[EQUIPPED.index(name) if name in EQUIPPED else EQUIPPED.index("other")] = 1.0
     return one_hot
+
+
+class _Episode:
+    """The adapter's state within an episode (a plain object: an env's own attributes are a module's, slower
+    to set at every step)."""
+
+    __slots__ = ("steps", "pitch", "sticky", "baseline", "reached", "maximum", "health")
+
+    def __init__(self):
+        self.steps = 0
+        self.pitch = 0.0
+        self.sticky = {"attack": 0, "jump": 0}
+        self.baseline = None  # milestone counts at reset
+        self.reached = np.zeros(len(MILESTONES), dtype=bool)
+        self.maximum = np.zeros(len(ITEMS), dtype=np.float32)
+        self.health = None
 
 
 class MinecraftEnv(EnvBase):
@@ -133,38 +150,33 @@ class MinecraftEnv(EnvBase):
         self._new_episode()
 
     def _new_episode(self) -> None:
-        self.steps = 0
-        self.pitch = 0.0
-        self.sticky = {"attack": 0, "jump": 0}
-        self.baseline = None  # milestone counts at reset
-        self.reached = np.zeros(len(MILESTONES), dtype=bool)
-        self.maximum = np.zeros(len(ITEMS), dtype=np.float32)
-        self.health = None
+        self.episode = _Episode()
 
-    def _convert(self, obs: dict) -> tuple[TensorDict, float]:
-        """Observation tensors, and the reward of the transition that produced `obs`."""
+    def _convert(self, obs: dict) -> tuple[dict, float]:
+        """Observation tensors by key, and the reward of the transition that produced `obs`."""
+        episode = self.episode
         counts = inventory_counts(obs["inventory"])
-        self.maximum = np.maximum(self.maximum, counts)
+        np.maximum(episode.maximum, counts, out=episode.maximum)
         life = obs["life_stats"]
         health = float(life["life"]) / 20.0
         milestone_counts = counts[: len(MILESTONES)]
         reward = 0.0
-        if self.baseline is None:
-            self.baseline = milestone_counts.copy()
+        if episode.baseline is None:
+            episode.baseline = milestone_counts.copy()
         else:
-            new = (milestone_counts > self.baseline) & ~self.reached
+            new = (milestone_counts > episode.baseline) & ~episode.reached
             reward += float(new.sum())
-            self.reached |= new
-            reward += 0.01 * (health - self.health)
-        self.health = health
+            episode.reached |= new
+            reward += 0.01 * (health - episode.health)
+        episode.health = health
         vector = np.concatenate([
-            counts, self.maximum, equipped_one_hot(obs["equipped_items"]),
+            counts, episode.maximum, equipped_one_hot(obs["equipped_items"]),
             np.array([health, float(life["food"]) / 20.0, float(life["air"]) / 300.0], dtype=np.float32),
         ])
         pixels = torch.from_numpy(np.ascontiguousarray(obs["pov"])).permute(2, 0, 1).contiguous()
-        out = TensorDict(pixels=pixels, vector=torch.from_numpy(vector), batch_size=[])
-        for index, item in enumerate(MILESTONES):
-            out.set(f"log_milestone_{item}", torch.tensor([bool(self.reached[index])]))
+        out = {"pixels": pixels, "vector": torch.from_numpy(vector)}
+        # The milestone flags [1] each: views of one fresh tensor (one conversion instead of one per flag).
+        out.update(zip(FLAG_KEYS, torch.from_numpy(episode.reached.reshape(-1, 1).copy()).unbind(0)))
         return out, reward
 
     def minerl_action(self, index: int) -> dict:
@@ -173,43 +185,44 @@ class MinecraftEnv(EnvBase):
         action = noop_action()
         for key, value in fields.items():
             action[key] = np.array(value, dtype=np.float32) if key == "camera" else value
+        episode = self.episode
         if name == "attack" and self.sticky_attack_steps:
-            self.sticky["attack"] = self.sticky_attack_steps
+            episode.sticky["attack"] = self.sticky_attack_steps
         if name == "jump":
-            self.sticky["jump"] = STICKY_JUMP
+            episode.sticky["jump"] = STICKY_JUMP
         for key in ("attack", "jump"):
-            if self.sticky[key] > 0:
+            if episode.sticky[key] > 0:
                 action[key] = 1
-                self.sticky[key] -= 1
+                episode.sticky[key] -= 1
         pitch = float(action["camera"][0])
-        if abs(self.pitch + pitch) > PITCH_LIMIT:
+        if abs(episode.pitch + pitch) > PITCH_LIMIT:
             action["camera"][0] = 0.0  # the step would look too far up or down: no pitch change
-        self.pitch += float(action["camera"][0])
+        episode.pitch += float(action["camera"][0])
         return action
 
-    def _flags(self, out: TensorDict, terminated: bool, truncated: bool) -> TensorDict:
-        out.set("terminated", torch.tensor([terminated]))
-        out.set("truncated", torch.tensor([truncated]))
-        out.set("done", torch.tensor([terminated or truncated]))
-        return out
+    def _output(self, out: dict, terminated: bool, truncated: bool) -> TensorDict:
+        """The step's or reset's tensordict: `out` with the done flags, built in one go."""
+        out["terminated"], out["truncated"], out["done"] = torch.tensor(
+            [[terminated], [truncated], [terminated or truncated]]).unbind(0)
+        return TensorDict(out, batch_size=[])
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         self._new_episode()
         out, _ = self._convert(self._env.reset())
-        return self._flags(out, False, False)
+        return self._output(out, False, False)
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         index = int(tensordict.get("action").to(torch.uint8).argmax(-1))
         obs, _, done, info = self._env.step(self.minerl_action(index))
-        self.steps += 1
+        self.episode.steps += 1
         out, reward = self._convert(obs)
-        out.set("reward", torch.tensor([reward], dtype=torch.float32))
+        out["reward"] = torch.tensor([reward], dtype=torch.float32)
         error = bool(info.get("error")) if isinstance(info, dict) else False
         # MineRL's own end (death, or its time limit) and an error: the episode is over. Death is
         # terminal; a time limit or an error is a truncation.
         dead = bool(done) and float(obs["life_stats"]["life"]) <= 0
-        truncated = error or (bool(done) and not dead) or self.steps >= self.max_episode_steps
-        return self._flags(out, dead, truncated and not dead)
+        truncated = error or (bool(done) and not dead) or self.episode.steps >= self.max_episode_steps
+        return self._output(out, dead, truncated and not dead)
 
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None and hasattr(self._env, "seed"):
