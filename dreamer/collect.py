@@ -95,23 +95,23 @@ class Collector:
         self.seconds = {"policy": 0.0, "env": 0.0, "step": 0.0}
 
     def _observe(self, td: TensorDictBase, first: bool, index: int) -> TensorDictBase:
-        out = td.select(*self.keys).clone()
+        out = {key: td.get(key).clone() for key in self.keys}
         if first:
-            out.set("reward", torch.zeros(1))
+            out["reward"] = torch.zeros(1)
             for flag in FLAGS:
-                out.set(flag, torch.zeros(1, dtype=torch.bool))
+                out[flag] = torch.zeros(1, dtype=torch.bool)
         else:
-            out.set("reward", td.get("reward").float().reshape(1))
+            out["reward"] = td.get("reward").float().reshape(1)
             for flag in FLAGS:
-                out.set(flag, td.get(flag).reshape(1))
+                out[flag] = td.get(flag).reshape(1)
         for key in [*self.keys, "reward"]:
-            value = out.get(key)
+            value = out[key]
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise CollectionError(
                     f"{self.suite} env {index} returned a non-finite {key} (nan or inf) at its step "
                     f"{self.env_steps[index]}; the environment is broken: fix it or its settings"
                 )
-        return out
+        return TensorDict(out, batch_size=td.batch_size, device=td.device)
 
     def _count_failure(self, index: int, error: Exception) -> None:
         self.failures[index] += 1
@@ -197,14 +197,19 @@ class Collector:
             self.reset()
         record = self.carry.clone()
         record.set("is_init", self.is_init.clone())
-        record.set("next", torch.stack(self.observed))
+        # One env (a worker's): its observation with a batch dimension, the same as a stack of one.
+        record.set("next", self.observed[0].unsqueeze(0) if len(self.observed) == 1 else torch.stack(self.observed))
         exploration = ExplorationType.RANDOM if self.explore else ExplorationType.DETERMINISTIC
         asked = time.perf_counter()
         # torchrl's exploration type is one setting for the whole process: a policy that fixes its own
-        # (the inline source's acting copy, stepping in a thread of its own) is called without touching it.
+        # (the inline source's acting copy, stepping in a thread of its own; a worker's server) is called
+        # without touching it.
         own = getattr(self.policy, "sets_exploration", False)
+        host = self.device.type == "cpu"  # records and answers stay where they are: a shallow copy is the policy's
         with contextlib.nullcontext() if own else set_exploration_type(exploration):
-            acted = self.policy(record.to(self.device)).get("policy").to("cpu")
+            acted = self.policy(record.copy() if host else record.to(self.device)).get("policy")
+        if not host:
+            acted = acted.to("cpu")
         self.seconds["policy"] += time.perf_counter() - asked
         action = acted.get("action").float()
         episodes = []

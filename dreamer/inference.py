@@ -203,9 +203,8 @@ class RowClient:
 
     def act(self, record: TensorDictBase) -> TensorDictBase:
         """The worker's policy call: the answer's `policy` keys set in `record` [1] (copies)."""
-        for key, view in self.ask(record):
-            if key[0] == "policy":
-                record.set(key, view.clone())
+        answer = {key[1]: view.clone() for key, view in self.ask(record) if key[0] == "policy"}
+        record.set("policy", TensorDict(answer, batch_size=record.batch_size, device=record.device))
         return record
 
 

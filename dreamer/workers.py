@@ -39,6 +39,10 @@ TIMES = 6  # timing slots per worker in WorkerPool.times: policy, env, step, loo
 class _RemotePolicy:
     """The acting policy of a worker process: one request to the inference server per step."""
 
+    # The server explores or not as it was built to (`Inference(explore=...)`); this process's exploration
+    # setting has no effect on it, so the collector leaves it alone.
+    sets_exploration = True
+
     def __init__(self, client):
         self.client = client
 
