@@ -93,6 +93,7 @@ class Collector:
         # server's round trip), in the envs' own calls (step, reset, rebuild), and in all of `step`; the
         # rest of `step` is this class's own work (records, checks).
         self.seconds = {"policy": 0.0, "env": 0.0, "step": 0.0}
+        self._action_specs: dict[int, tuple] = {}  # id(env) -> (env, its action spec)
 
     def _observe(self, td: TensorDictBase, first: bool, index: int) -> TensorDictBase:
         out = {key: td.get(key).clone() for key in self.keys}
@@ -124,6 +125,7 @@ class Collector:
             )
 
     def _replace(self, index: int) -> None:
+        self._action_specs.pop(id(self.envs[index]), None)
         try:
             self.envs[index].close()
         except Exception:  # a broken env may not close cleanly; it is replaced either way
@@ -168,7 +170,10 @@ class Collector:
         self.lengths = [0] * len(self.envs)
 
     def _env_action(self, env: EnvBase, action: torch.Tensor) -> torch.Tensor:
-        spec = env.action_spec
+        known, spec = self._action_specs.get(id(env), (None, None))
+        if known is not env:  # read once per env object (torchrl's spec lookup is slow for every step)
+            spec = env.action_spec
+            self._action_specs[id(env)] = (env, spec)
         if self.layout.discrete:
             return action.to(spec.dtype)
         # Continuous policies act in [-1, 1]; the env's box is an affine map of it.

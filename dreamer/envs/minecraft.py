@@ -224,6 +224,13 @@ class MinecraftEnv(EnvBase):
         truncated = error or (bool(done) and not dead) or self.episode.steps >= self.max_episode_steps
         return self._output(out, dead, truncated and not dead)
 
+    def _step_proc_data(self, next_tensordict_out: TensorDictBase) -> TensorDictBase:
+        # torchrl's step completes missing done flags and reshapes rewards against the specs, at every step;
+        # `_step` already gives reward [1] and the three flags [1]. Its checks still run when asked for.
+        if self.run_type_checks:
+            return super()._step_proc_data(next_tensordict_out)
+        return next_tensordict_out
+
     def _set_seed(self, seed: int | None) -> None:
         if seed is not None and hasattr(self._env, "seed"):
             self._env.seed(seed)
