@@ -99,7 +99,7 @@ class LossSettings:
     slow_critic: float = 1.0
     slow_critic_tau: float = 0.02
     return_norm_rate: float = 0.01
-    # How the reward and value heads' 255 logits read as a scalar (dreamer.learner.TwoHot): "symexp", the
+    # How the reward and value heads' 255 logits read as a scalar (dreamer.losses.TwoHot): "symexp", the
     # reference's symexp_twohot (bins symexp-spaced in raw values, the two-hot target and the expectation
     # linear in raw values; torchrl's functions), or "symlog", its symlog_and_twohot alternative (the
     # target and the expectation in symlog space, then symexp).

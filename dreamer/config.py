@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from dreamer.agent import LossSettings, ModelSize
 from dreamer.envs import EnvConfigError, check_task
-from dreamer.learner import OptimizerSettings
+from dreamer.optim import OptimizerSettings
 from dreamer.topology import Topology, resolve_topology, sweep_job_number
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -33,16 +33,28 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
-from torchrl.modules.models.model_based import _straight_through_categorical, two_hot_cross_entropy, two_hot_decode
-from torchrl.objectives import symexp, symlog
+from torchrl.modules.models.model_based import _straight_through_categorical
+from torchrl.objectives import symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
 from dreamer.agent import IMAGE_KEY, Agent
+from dreamer.losses import (
+    TwoHot,
+    actor_loss,
+    continue_loss,
+    critic_loss,
+    discrete_log_prob_entropy,
+    imagination_weights,
+    normal_log_prob_entropy,
+    replay_value_targets,
+    return_scale,
+    squared_error_loss,
+)
+from dreamer.optim import LaProp, OptimizerSettings
 
 METRICS = (
     "loss_model_reco", "loss_model_reward", "loss_model_dynamic", "loss_model_representation",
@@ -52,132 +64,9 @@ METRICS = (
 )
 
 
-@dataclass(frozen=True)
-class OptimizerSettings:
-    lr: float = 4e-5
-    eps: float = 1e-20
-    agc: float = 0.3
-    warmup: int = 1000
-    beta1: float = 0.9
-    beta2: float = 0.999
-    parameter_norm_min: float = 1e-3
-
-
-class LaProp:
-    """LaProp (RMS-normalize, then momentum) with adaptive gradient clipping and linear lr warm-up.
-
-    The same update as torchrl's DreamerV3Optimizer, with its step counter and every schedule value on
-    the device so that the step can sit inside a CUDA graph. Parameters without a gradient are skipped.
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings):
-        self.params = params
-        self.settings = settings
-        device = params[0].device
-        self.rms = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        self.momentum = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-        # float64: the bias corrections 1 - beta**step lose 1e-5 of their value in float32 early on.
-        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
-
-    @torch.no_grad()
-    def step(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """Applies one update; returns the global gradient norm before clipping (a device scalar)."""
-        s = self.settings
-        index = [i for i, g in enumerate(grads) if g is not None]
-        params = [self.params[i] for i in index]
-        grads = [grads[i].float() for i in index]
-        rms = [self.rms[i] for i in index]
-        momentum = [self.momentum[i] for i in index]
-        self.step_count += 1
-        step = self.step_count
-        warmup = ((step - 1) / s.warmup).clamp(max=1.0) if s.warmup else torch.ones_like(step)
-        lr = (s.lr * warmup).float()
-        correction2 = (1 - s.beta2**step).float()
-        scale = (-lr / (1 - s.beta1**step)).float()
-        grad_norms = torch._foreach_norm(grads)
-        grad_norm = torch.linalg.vector_norm(torch.stack(grad_norms))
-        if s.agc:
-            param_norms = torch._foreach_norm([p.detach().float() for p in params])
-            torch._foreach_clamp_min_(param_norms, s.parameter_norm_min)
-            limits = torch._foreach_mul(param_norms, s.agc)
-            scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
-            grads = torch._foreach_mul(grads, scales)
-        torch._foreach_mul_(rms, s.beta2)
-        torch._foreach_addcmul_(rms, grads, grads, value=1 - s.beta2)
-        denominator = torch._foreach_sqrt(torch._foreach_div(rms, correction2))
-        torch._foreach_add_(denominator, s.eps)
-        torch._foreach_mul_(momentum, s.beta1)
-        torch._foreach_add_(momentum, torch._foreach_div(grads, denominator), alpha=1 - s.beta1)
-        updates = torch._foreach_mul(momentum, scale)
-        torch._foreach_add_(params, updates)
-        return grad_norm
-
-    def state_dict(self) -> dict:
-        return {"rms": self.rms, "momentum": self.momentum, "step": self.step_count}
-
-    def load_state_dict(self, state: dict) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(self.rms, [t.to(r) for t, r in zip(state["rms"], self.rms)])
-            torch._foreach_copy_(self.momentum, [t.to(m) for t, m in zip(state["momentum"], self.momentum)])
-            self.step_count.copy_(state["step"])
-
-
-def lambda_returns(reward, next_value, done, terminated, gamma: float, lmbda: float) -> torch.Tensor:
-    """TD(lambda) returns [B, T] from [B, T, 1] inputs, as torchrl's `td_lambda_return_estimate`, without
-    a loop over time.
-
-    torchrl's recursion, with v = next_value zeroed where terminated and d = done:
-        g_t = b_t + a_t g_{t+1},  a_t = gamma lmbda (1 - d_t),  b_t = r_t + gamma v_t (1 - lmbda + lmbda d_t),
-        g_T = v_{T-1}.
-    Unrolled: g_t = sum_{j >= t} (a_t ... a_{j-1}) b_j, with b_T = g_T. The products come from one cumprod
-    over a [B, T, T + 1] tensor. Inside the compiled loss this is a few kernels; the loop it replaces was
-    T steps of unrolled graph (at T = 256, tens of seconds of compilation, more with torchrl's in-place
-    writes into the result).
-    """
-    length = reward.shape[1]
-    v = (next_value * (~terminated)).squeeze(-1)
-    d = done.squeeze(-1).float()
-    a = gamma * lmbda * (1 - d)
-    b = torch.cat([reward.squeeze(-1) + gamma * v * ((1 - lmbda) + lmbda * d), v[:, -1:]], 1)  # [B, T + 1]
-    t = torch.arange(length, device=reward.device)[:, None]
-    j = torch.arange(length + 1, device=reward.device)[None, :]
-    # factors[., t, j] = a_{j-1} for j > t, else 1; the running product over j is a_t ... a_{j-1}.
-    factors = torch.where(j > t, F.pad(a, (1, 0))[:, None, :], torch.ones((), device=reward.device))
-    products = torch.cumprod(factors, -1) * (j >= t)
-    return (products * b[:, None, :]).sum(-1)
-
-
-class TwoHot:
-    """The reward and value heads' logits over 255 bins, read as a scalar and trained toward one.
-
-    "symexp" (the reference's symexp_twohot; torchrl's `two_hot_cross_entropy` / `two_hot_decode`): the
-    bins are symexp(-20 .. 20) in raw values; a target is split between its two neighbouring bins linearly
-    in raw values, and a prediction is the probabilities' expectation over the raw bins. "symlog" (the
-    reference's symlog_and_twohot alternative): the same grid taken in symlog space (-20 .. 20 evenly); a
-    target is symlogged and split there, and a prediction is the expectation over the symlog grid, symexped.
-    The raw expectation is unbiased, and it moves with every bin's probability times its value (up to 4.9e8
-    at the grid's ends); the symlog one is pulled toward zero by a spread of outcomes (Jensen). Both pair
-    mirrored bins so that uniform logits read exactly zero.
-    """
-
-    MODES = ("symexp", "symlog")
-
-    def __init__(self, bins: torch.Tensor, mode: str):
-        if mode not in self.MODES:
-            raise ValueError(f"two-hot mode must be one of {', '.join(self.MODES)}, not {mode!r}")
-        self.mode, self.bins = mode, bins
-        self.grid = symlog(bins) if mode == "symlog" else bins
-
-    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Cross entropy of `logits` [..., bins] against the two-hot of `target` [...] or [..., 1]."""
-        if self.mode == "symlog":
-            target = symlog(target)
-        return two_hot_cross_entropy(logits, target, self.grid)
-
-    def mean(self, logits: torch.Tensor) -> torch.Tensor:
-        """The prediction [...] of `logits` [..., bins]."""
-        value = two_hot_decode(logits, self.grid)
-        return symexp(value) if self.mode == "symlog" else value
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    """A [B, T, ...] target in the order of the scan's time-major outputs [T, B, ...]."""
+    return x.transpose(0, 1)
 
 
 class MetricsRead:
@@ -497,124 +386,109 @@ class Learner:
         their gradient runs in that order (its targets transposed, its means unchanged): their gradients
         are then time-major too, so each scan step's share is a contiguous [B, ...] block, which the
         step's compiled backward takes as it is (a strided one it would first copy, at every step)."""
-        nets, settings = self.nets, self.loss
+        losses, reward_logits, reward_target = self._model_losses(inputs, states, beliefs, post_logits)
+        behaviour, lambda_target, metrics = self._behaviour_losses(img_states, img_beliefs, img_actions)
+        losses.update(behaviour)
+        replay_value = self._replay_value_loss(inputs, states, beliefs, lambda_target)
+        losses["loss_replay_value"] = self.loss.replay_value_loss_weight * replay_value
+        total = sum(losses.values())
+        metrics = {
+            **losses,
+            **metrics,
+            "replay_value": replay_value.detach(),
+            # The model's rewards beside the real ones: on the replayed posterior (observations seen) and per
+            # step of imagination (the actor's own actions, in `metrics`); imagined returns far above what the
+            # real rewards can sustain show the actor exploiting the model (LEARNING.md).
+            "reward_seen": self.reward_twohot.mean(reward_logits.detach().float()).mean(),
+            "reward_real": reward_target.float().mean(),
+        }
+        return total, metrics
+
+    def _model_losses(self, inputs, states, beliefs, post_logits):
+        """The world model's losses (KL, reconstruction, reward, continue) on the time-major posterior;
+        also the reward head's logits and targets, for the metrics."""
+        nets, mloss = self.nets, self.loss.model_loss
         length, batch = beliefs.shape[:2]
-        shape = (batch, length)
-
-        def time_major(x):  # a [B, T, ...] target in the order of the posterior tensors
-            return x.transpose(0, 1)
-
-        # ---- world model ----
         prior_logits = nets.prior.rnn_to_prior_projector(beliefs)
         prior_logits = prior_logits.view(*prior_logits.shape[:-1], self.size.stoch, self.size.classes)
-        dynamic, representation = categorical_kl_terms(post_logits, prior_logits, free_nats=settings.model_loss.free_bits,
-                                                       unimix=settings.model_loss.unimix)
+        dynamic, representation = categorical_kl_terms(post_logits, prior_logits, free_nats=mloss.free_bits,
+                                                       unimix=mloss.unimix)
         reco = 0.0
         if nets.vector_decoder is not None:
-            target = torch.cat([time_major(inputs[k]).float() for k in self.layout.vector_keys], -1)
+            target = torch.cat([_time_major(inputs[k]).float() for k in self.layout.vector_keys], -1)
             error = symlog(target) - symlog(nets.vector_decoder(states, beliefs))
-            reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
+            reco = reco + squared_error_loss(error, length, batch)
         if nets.image_decoder is not None:
-            error = time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
-            reco = reco + error.pow(2).reshape(length, batch, -1).sum(-1).mean()
-        reward_logits, reward_target = nets.reward_head(states, beliefs), time_major(inputs["reward"])
+            error = _time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
+            reco = reco + squared_error_loss(error, length, batch)
+        reward_logits, reward_target = nets.reward_head(states, beliefs), _time_major(inputs["reward"])
         reward_loss = self.reward_twohot.loss(reward_logits, reward_target).mean()
-        continue_target = time_major(~inputs["terminated"]).float().squeeze(-1)
-        continue_loss = F.binary_cross_entropy_with_logits(nets.continue_head(states, beliefs).squeeze(-1), continue_target)
-        mloss = settings.model_loss
+        continued = continue_loss(nets.continue_head(states, beliefs), _time_major(inputs["terminated"]))
         losses = {
             "loss_model_reco": mloss.lambda_reco * reco,
             "loss_model_reward": mloss.lambda_reward * reward_loss,
             "loss_model_dynamic": mloss.lambda_kl * mloss.lambda_dynamic * dynamic,
             "loss_model_representation": mloss.lambda_kl * mloss.lambda_representation * representation,
-            "loss_model_continue": mloss.lambda_continue * continue_loss,
+            "loss_model_continue": mloss.lambda_continue * continued,
         }
+        return losses, reward_logits, reward_target
 
-        # ---- imagination targets (no gradient): states 0..H, actions 0..H-1 ----
-        gamma = self.gamma
-        with torch.no_grad():
+    def _behaviour_losses(self, img_states, img_beliefs, img_actions):
+        """The actor's and the critic's losses on imagined states 0..H (actions 0..H-1); also the λ-returns
+        [N, H, 1] (the replay value's bootstrap) and the metrics of imagination."""
+        nets, settings = self.nets, self.loss
+        with torch.no_grad():  # targets: no gradient
             next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
             reward = self.reward_twohot.mean(nets.reward_head(next_s, next_b)).unsqueeze(-1)
             value_logits_all = self._critic(img_states, img_beliefs)
             next_value = self.value_twohot.mean(value_logits_all[:, 1:]).unsqueeze(-1)
             continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
             continuation = continuation_all[:, 1:]
-            root_continuation = continuation_all[:, :-1]
             lambda_target = settings.actor_loss.lambda_target(reward, next_value, continuation)  # [N, H, 1]
-            discount = torch.cat([root_continuation[:, :1], gamma * root_continuation[:, 1:]], 1).cumprod(1)
-            # Return normalization: EMA of the 5th / 95th percentiles of the targets.
-            retnorm = self.retnorm
-            low, high = torch.quantile(lambda_target.reshape(-1, 1), retnorm._q.to(lambda_target), dim=0)
-            retnorm.low.lerp_(low, retnorm.rate)
-            retnorm.high.lerp_(high, retnorm.rate)
-            return_scale = retnorm.scale().squeeze(-1)
+            weight = imagination_weights(continuation_all, self.gamma)
+            scale = return_scale(lambda_target, self.retnorm)  # EMA of the 5th / 95th percentiles
             baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
-            advantage = (lambda_target - baseline) / return_scale
+            advantage = (lambda_target - baseline) / scale
 
-        # ---- actor: REINFORCE on stopped states, plus entropy ----
         root_s, root_b = img_states[:, :-1], img_beliefs[:, :-1]
-        alosses = settings.actor_loss
         if self.layout.discrete:
-            logits = nets.actor_net(root_s, root_b)
-            logits = logits - logits.logsumexp(-1, keepdim=True)
-            log_prob = logits.gather(-1, img_actions.argmax(-1, keepdim=True))
-            probs = torch.softmax(logits, -1)
-            entropy = -(logits.clamp(min=torch.finfo(logits.dtype).min) * probs).sum(-1, keepdim=True)
+            log_prob, entropy = discrete_log_prob_entropy(nets.actor_net(root_s, root_b), img_actions)
         else:
-            mean, std = nets.actor_net(root_s, root_b)
-            normal = torch.distributions.Normal(mean, std, validate_args=False)
-            log_prob = normal.log_prob(img_actions).sum(-1, keepdim=True)
-            entropy = normal.entropy().sum(-1, keepdim=True)
-        actor_loss = -(discount * log_prob * advantage).mean()
-        entropy = (discount * entropy).mean()
-        losses["loss_actor"] = actor_loss - alosses.entropy_bonus * entropy
+            log_prob, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions)
+        actor, entropy = actor_loss(log_prob, entropy, advantage, weight, settings.actor_loss.entropy_bonus)
 
-        # ---- critic on imagined states, regularized toward the slow critic ----
-        vloss = settings.value_loss
         value_logits = self._critic(root_s, root_b)
-        target = lambda_target.squeeze(-1)
-        weight = discount.squeeze(-1)
-        loss = self.value_twohot.loss(value_logits, target)
         with torch.no_grad():
             slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
-        slow_loss = self.value_twohot.loss(value_logits, slow_value)
-        losses["loss_value"] = (weight * (loss + vloss.slow_critic_regularization * slow_loss)).mean()
-
-        # ---- critic on the replay sequence (trains the representation too; time-major, as above) ----
-        with torch.no_grad():
-            bootstrap = lambda_target[:, 0, 0].reshape(shape).unsqueeze(-1)  # [B, T, 1]: rows in (b, t) order
-            done, terminated = inputs["done"], inputs["terminated"]
-            replay_target = time_major(lambda_returns(
-                inputs["reward"][:, 1:], bootstrap[:, 1:], done[:, 1:], terminated[:, 1:],
-                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda))  # [T-1, B]
-            replay_weight = time_major(~done[:, :-1].squeeze(-1)).float()
-        replay_logits = self._critic(states, beliefs)[:-1]
-        replay_loss = self.value_twohot.loss(replay_logits, replay_target)
-        with torch.no_grad():
-            slow_replay = self.value_twohot.mean(self._critic(states, beliefs, slow=True))[:-1]
-        replay_loss = replay_loss + vloss.slow_critic_regularization * self.value_twohot.loss(
-            replay_logits, slow_replay)
-        replay_value = (replay_weight * replay_loss).mean()
-        losses["loss_replay_value"] = settings.replay_value_loss_weight * replay_value
-
-        total = sum(losses.values())
+        critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
+                                        weight.squeeze(-1), settings.value_loss.slow_critic_regularization)
         metrics = {
-            **losses,
             "actor_entropy": entropy.detach(),
-            "return_low": retnorm.low.squeeze(-1).clone(),
-            "return_high": retnorm.high.squeeze(-1).clone(),
-            "return_scale": return_scale.detach(),
+            "return_low": self.retnorm.low.squeeze(-1).clone(),
+            "return_high": self.retnorm.high.squeeze(-1).clone(),
+            "return_scale": scale.detach(),
             "continuation_mean": continuation.mean(),
-            "value_slow_loss": (weight * slow_loss).mean().detach(),
-            "replay_value": replay_value.detach(),
-            # The model's rewards beside the real ones: on the replayed posterior (observations seen) and per
-            # step of imagination (the actor's own actions); imagined returns far above what the real
-            # rewards can sustain show the actor exploiting the model (LEARNING.md).
-            "reward_seen": self.reward_twohot.mean(reward_logits.detach().float()).mean(),
-            "reward_real": reward_target.float().mean(),
+            "value_slow_loss": slow_loss.detach(),
             "reward_imagined": reward.mean(),
         }
-        return total, metrics
+        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
+
+    def _replay_value_loss(self, inputs, states, beliefs, lambda_target):
+        """The critic on the replayed sequence (time-major; it trains the representation too), toward
+        λ-returns bootstrapped from each posterior's imagined return, regularized toward the slow critic."""
+        settings = self.loss
+        length, batch = beliefs.shape[:2]
+        with torch.no_grad():
+            bootstrap = lambda_target[:, 0, 0].reshape(batch, length).unsqueeze(-1)  # [B, T, 1]: rows in (b, t) order
+            done = inputs["done"]
+            target = _time_major(replay_value_targets(
+                inputs["reward"], bootstrap, done, inputs["terminated"],
+                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda))  # [T-1, B]
+            weight = _time_major(~done[:, :-1].squeeze(-1)).float()
+            slow = self.value_twohot.mean(self._critic(states, beliefs, slow=True))[:-1]
+        loss, _ = critic_loss(self.value_twohot, self._critic(states, beliefs)[:-1], target, slow, weight,
+                              settings.value_loss.slow_critic_regularization)
+        return loss
 
     def _optimize_fn(self, grads):
         grad_norm = self.optimizer.step(grads)

@@ -38,7 +38,8 @@ from bench_replay import _layout  # noqa: E402
 
 from dreamer import checkpoint  # noqa: E402
 from dreamer.agent import IMAGE_KEY, LossSettings, build_agent  # noqa: E402
-from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
+from dreamer.learner import Learner  # noqa: E402
+from dreamer.optim import OptimizerSettings  # noqa: E402
 from dreamer.replay import Replay, record_bytes  # noqa: E402
 from dreamer.inference import request_spec  # noqa: E402
 

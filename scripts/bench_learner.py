@@ -41,7 +41,8 @@ from torchrl.data import Bounded, Composite, OneHot, Unbounded  # noqa: E402
 
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
 from dreamer.config import CONFIG_DIR  # noqa: E402
-from dreamer.learner import Learner, OptimizerSettings  # noqa: E402
+from dreamer.learner import Learner  # noqa: E402
+from dreamer.optim import OptimizerSettings  # noqa: E402
 
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0}  # dense bf16 tensor-core peak (SXM)
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchrl.modules.models.model_based import _default_bins  # noqa: E402
 
-from dreamer.learner import TwoHot  # noqa: E402
+from dreamer.losses import TwoHot  # noqa: E402
 
 SEED = 3_000_000  # added to the run's seed: the diagnosis's env draws neither training's nor evaluation's episodes
 DISCOUNT_TAIL = 700  # steps before an episode's end a state must be for the value check

@@ -10,7 +10,8 @@ from torchrl.data import Bounded, Composite, OneHot, Unbounded
 
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent, build_networks
 from dreamer.config import CONFIG_DIR
-from dreamer.learner import Learner, OptimizerSettings
+from dreamer.learner import Learner
+from dreamer.optim import OptimizerSettings
 
 VECTOR = EnvLayout.from_specs(Composite(observation=Unbounded(4)), OneHot(2))
 IMAGE = EnvLayout.from_specs(Composite(pixels=Bounded(0, 255, (3, 64, 64), dtype=torch.uint8)), OneHot(17))

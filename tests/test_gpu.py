@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dreamer.agent import LossSettings, build_agent
-from dreamer.learner import Learner, OptimizerSettings
+from dreamer.learner import Learner
+from dreamer.optim import OptimizerSettings
 from dreamer.replay import Replay
 from tests.test_agent import VECTOR, _batch, _size
 from tests.test_replay import _records

@@ -14,7 +14,9 @@ from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
 
 from dreamer.agent import EnvLayout, LossSettings, build_agent
-from dreamer.learner import LaProp, Learner, OptimizerSettings, TwoHot
+from dreamer.learner import Learner
+from dreamer.losses import TwoHot
+from dreamer.optim import LaProp, OptimizerSettings
 from tests.test_agent import IMAGE, VECTOR, _batch, _size
 
 CONTINUOUS = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-1, 1, (3,)))
@@ -188,7 +190,7 @@ def test_compiled_step_follows_the_eager_updates_on_cpu():
 def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
     from torchrl.objectives.value.functional import td_lambda_return_estimate
 
-    from dreamer.learner import lambda_returns
+    from dreamer.losses import lambda_returns
 
     g = torch.Generator().manual_seed(length)
     reward, value = torch.randn(5, length, 1, generator=g), torch.randn(5, length, 1, generator=g)

@@ -1,0 +1,80 @@
+"""The optimizer of the learner step: LaProp with adaptive gradient clipping and linear warm-up, on the device.
+
+Its settings come from the run's config (`optimizer:` in configs/config.yaml; dreamer.config builds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 4e-5
+    eps: float = 1e-20
+    agc: float = 0.3
+    warmup: int = 1000
+    beta1: float = 0.9
+    beta2: float = 0.999
+    parameter_norm_min: float = 1e-3
+
+
+class LaProp:
+    """LaProp (RMS-normalize, then momentum) with adaptive gradient clipping and linear lr warm-up.
+
+    The same update as torchrl's DreamerV3Optimizer, with its step counter and every schedule value on
+    the device so that the step can sit inside a CUDA graph. Parameters without a gradient are skipped.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings):
+        self.params = params
+        self.settings = settings
+        device = params[0].device
+        self.rms = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.momentum = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        # float64: the bias corrections 1 - beta**step lose 1e-5 of their value in float32 early on.
+        self.step_count = torch.zeros((), dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """Applies one update; returns the global gradient norm before clipping (a device scalar)."""
+        s = self.settings
+        index = [i for i, g in enumerate(grads) if g is not None]
+        params = [self.params[i] for i in index]
+        grads = [grads[i].float() for i in index]
+        rms = [self.rms[i] for i in index]
+        momentum = [self.momentum[i] for i in index]
+        self.step_count += 1
+        step = self.step_count
+        warmup = ((step - 1) / s.warmup).clamp(max=1.0) if s.warmup else torch.ones_like(step)
+        lr = (s.lr * warmup).float()
+        correction2 = (1 - s.beta2**step).float()
+        scale = (-lr / (1 - s.beta1**step)).float()
+        grad_norms = torch._foreach_norm(grads)
+        grad_norm = torch.linalg.vector_norm(torch.stack(grad_norms))
+        if s.agc:
+            param_norms = torch._foreach_norm([p.detach().float() for p in params])
+            torch._foreach_clamp_min_(param_norms, s.parameter_norm_min)
+            limits = torch._foreach_mul(param_norms, s.agc)
+            scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
+            grads = torch._foreach_mul(grads, scales)
+        torch._foreach_mul_(rms, s.beta2)
+        torch._foreach_addcmul_(rms, grads, grads, value=1 - s.beta2)
+        denominator = torch._foreach_sqrt(torch._foreach_div(rms, correction2))
+        torch._foreach_add_(denominator, s.eps)
+        torch._foreach_mul_(momentum, s.beta1)
+        torch._foreach_add_(momentum, torch._foreach_div(grads, denominator), alpha=1 - s.beta1)
+        updates = torch._foreach_mul(momentum, scale)
+        torch._foreach_add_(params, updates)
+        return grad_norm
+
+    def state_dict(self) -> dict:
+        return {"rms": self.rms, "momentum": self.momentum, "step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.rms, [t.to(r) for t, r in zip(state["rms"], self.rms)])
+            torch._foreach_copy_(self.momentum, [t.to(m) for t, m in zip(state["momentum"], self.momentum)])
+            self.step_count.copy_(state["step"])
