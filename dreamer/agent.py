@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import (
     InteractionType,
     ProbabilisticTensorDictModule,
@@ -54,7 +54,8 @@ IMAGE_KEY = "pixels"
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Network dimensions (the reference's names) and layer counts."""
+    """Network dimensions (the reference's names) and layer counts: the `model:` section of the config
+    (configs/config.yaml and configs/model/<size>.yaml hold the values; dreamer.config builds these)."""
 
     deter: int
     hidden: int
@@ -62,20 +63,20 @@ class ModelSize:
     classes: int
     depth: int
     units: int
-    blocks: int = 8
-    enc_layers: int = 3
-    dec_layers: int = 3
-    head_layers: int = 1
-    actor_layers: int = 3
-    critic_layers: int = 3
-    imag_layers: int = 2
-    obs_layers: int = 1
-    dyn_layers: int = 1
-    recurrent: str = "block_gru"
-    unimix: float = 0.01
-    bins: int = 255
-    mults: tuple[int, ...] = (2, 3, 4, 4)
-    kernel: int = 5
+    blocks: int
+    enc_layers: int
+    dec_layers: int
+    head_layers: int
+    actor_layers: int
+    critic_layers: int
+    imag_layers: int
+    obs_layers: int
+    dyn_layers: int
+    recurrent: str
+    unimix: float
+    bins: int
+    mults: tuple[int, ...]
+    kernel: int
 
     @property
     def latent(self) -> int:
@@ -88,22 +89,24 @@ class ModelSize:
 
 @dataclass(frozen=True)
 class LossSettings:
-    horizon: float = 333.0
-    imag_length: int = 15
-    lmbda: float = 0.95
-    entropy: float = 3e-4
-    kl_dynamic: float = 1.0
-    kl_representation: float = 0.1
-    free_nats: float = 1.0
-    replay_value: float = 0.3
-    slow_critic: float = 1.0
-    slow_critic_tau: float = 0.02
-    return_norm_rate: float = 0.01
+    """The `loss:` section of the config (configs/config.yaml holds the defaults; dreamer.config builds these)."""
+
+    horizon: float
+    imag_length: int
+    lmbda: float
+    entropy: float
+    kl_dynamic: float
+    kl_representation: float
+    free_nats: float
+    replay_value: float
+    slow_critic: float
+    slow_critic_tau: float
+    return_norm_rate: float
     # How the reward and value heads' 255 logits read as a scalar (dreamer.losses.TwoHot): "symexp", the
     # reference's symexp_twohot (bins symexp-spaced in raw values, the two-hot target and the expectation
     # linear in raw values; torchrl's functions), or "symlog", its symlog_and_twohot alternative (the
     # target and the expectation in symlog space, then symexp).
-    two_hot: str = "symexp"
+    two_hot: str = "symexp"  # the default also for a run folder whose config.yaml predates the setting
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,25 @@ class ContinuousActor(nn.Module):
         mean, std = self.mlp(state, belief).float().chunk(2, -1)
         std = (self.max_std - self.min_std) * torch.sigmoid(std + 2.0) + self.min_std
         return mean.tanh(), std
+
+
+def record_zeros(layout: EnvLayout, size: ModelSize, shape: tuple[int, ...] = ()) -> TensorDict:
+    """A replay record of zeros (the layout of this module's docstring) with batch dimensions `shape`:
+    the one spelling of the record that collection, the inference server's requests and the learner's
+    warm-up batch share."""
+    observation = {key: torch.zeros(*shape, width) for key, width in zip(layout.vector_keys, layout.vector_sizes)}
+    if layout.image_shape is not None:
+        observation[IMAGE_KEY] = torch.zeros(*shape, *layout.image_shape, dtype=torch.uint8)
+    flag = torch.zeros(*shape, 1, dtype=torch.bool)
+    return TensorDict(
+        state=torch.zeros(*shape, size.latent),
+        belief=torch.zeros(*shape, size.deter),
+        action=torch.zeros(*shape, layout.action_dim),
+        is_init=flag.clone(),
+        next=TensorDict(**observation, reward=torch.zeros(*shape, 1), done=flag.clone(), terminated=flag.clone(),
+                        batch_size=shape),
+        batch_size=shape,
+    )
 
 
 def _observation_keys(layout: EnvLayout, prefix: tuple[str, ...] = ()) -> list:

@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase, ExplorationType, set_exploration_type
 
-from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
+from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize, record_zeros
 
 FLAGS = ("done", "terminated")
 LOG_PREFIX = "log_"
@@ -74,12 +74,7 @@ class Collector:
         self.max_restarts = max_restarts
         self.keys = list(layout.vector_keys) + ([IMAGE_KEY] if layout.image_shape is not None else [])
         n = len(envs)
-        self.carry = TensorDict(
-            state=torch.zeros(n, size.latent),
-            belief=torch.zeros(n, size.deter),
-            action=torch.zeros(n, layout.action_dim),
-            batch_size=[n],
-        )
+        self.carry = record_zeros(layout, size, (n,)).select("state", "belief", "action")  # before any step
         self.observed: list[TensorDictBase] | None = None
         self.states: list[TensorDictBase] = []  # each env's own tensordict (e.g. step counters) between steps
         self.is_init = torch.ones(n, 1, dtype=torch.bool)

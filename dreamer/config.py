@@ -3,10 +3,14 @@
 Two stages, both before any environment or model is built:
   check_overrides(argv)  unknown preset / model size / other group option, before Hydra composes
   validate(cfg)          value checks on the composed config, then `Settings` with derived values
+
+The YAML under configs/ is the one source of every default: scripts and tests that need settings without a
+run compose them the same way (`compose_config`, then `model_size`, `loss_settings`, `optimizer_settings`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, replace
@@ -252,6 +256,36 @@ def _settings(kind, section: str, cfg: DictConfig):
     return kind(**values)
 
 
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The config the training command composes from `overrides` (configs/, through Hydra's compose API)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def model_size(cfg: DictConfig) -> ModelSize:
+    """The network dimensions and layer counts of a composed config (`model:`)."""
+    size = _settings(ModelSize, "model", cfg)
+    return replace(size, mults=tuple(size.mults))
+
+
+def loss_settings(cfg: DictConfig) -> LossSettings:
+    return _settings(LossSettings, "loss", cfg)
+
+
+def optimizer_settings(cfg: DictConfig) -> OptimizerSettings:
+    return _settings(OptimizerSettings, "optimizer", cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_settings(model: str = "size200m") -> tuple[ModelSize, LossSettings, OptimizerSettings]:
+    """The reference recipe's model, loss and optimizer settings at a size (`+exp=reference model=MODEL`),
+    from the YAML: for benchmarks and tests that build an agent and a learner without a run."""
+    cfg = compose_config(["+exp=reference", f"model={model}"])
+    return model_size(cfg), loss_settings(cfg), optimizer_settings(cfg)
+
+
 def validate(cfg: DictConfig) -> Settings:
     _check_sections(cfg)
     _check_types(cfg)
@@ -279,16 +313,15 @@ def validate(cfg: DictConfig) -> Settings:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     cuda = topology.learner.type == "cuda"
-    size = _settings(ModelSize, "model", cfg)
     return Settings(
         topology=topology,
         # auto: compile on CUDA (30 to 90 s of warm-up on an H200, BENCHMARKS.md), not on CPU.
         compile=_flag(cfg.run.compile, cuda, "run.compile"),
         cudagraph=_flag(cfg.run.cudagraph, cuda, "run.cudagraph") and cuda,
         bf16=cfg.run.precision == "bf16" or (cfg.run.precision == "auto" and cuda),
-        size=replace(size, mults=tuple(size.mults)),
-        loss=_settings(LossSettings, "loss", cfg),
-        optimizer=_settings(OptimizerSettings, "optimizer", cfg),
+        size=model_size(cfg),
+        loss=loss_settings(cfg),
+        optimizer=optimizer_settings(cfg),
         updates_per_step=cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length),
         # auto: workers on a CUDA learner, where the envs' Python in processes of their own kept the learner
         # busier than the inline source's step thread sharing the trainer's interpreter lock (dmc_proprio:

@@ -36,7 +36,7 @@ from torchrl.envs import ExplorationType, set_exploration_type
 from torchrl.modules.inference_server import InferenceServer, ProcessSlotTransport
 
 from dreamer import reaper
-from dreamer.agent import IMAGE_KEY, ActingPolicy, EnvLayout, ModelSize
+from dreamer.agent import ActingPolicy, EnvLayout, ModelSize, record_zeros
 from dreamer.collect import CollectionError
 
 
@@ -47,22 +47,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def request_spec(layout: EnvLayout, size: ModelSize) -> TensorDict:
-    """One worker's request: a replay record without batch dimensions (zeros)."""
-    observation = {key: torch.zeros(width) for key, width in zip(layout.vector_keys, layout.vector_sizes)}
-    if layout.image_shape is not None:
-        observation[IMAGE_KEY] = torch.zeros(layout.image_shape, dtype=torch.uint8)
-    return TensorDict(
-        state=torch.zeros(size.latent),
-        belief=torch.zeros(size.deter),
-        action=torch.zeros(layout.action_dim),
-        is_init=torch.ones(1, dtype=torch.bool),
-        next=TensorDict(
-            **observation,
-            reward=torch.zeros(1),
-            done=torch.zeros(1, dtype=torch.bool),
-            terminated=torch.zeros(1, dtype=torch.bool),
-        ),
-    )
+    """One worker's request: a replay record without batch dimensions (zeros, an episode's first)."""
+    record = record_zeros(layout, size)
+    record["is_init"].fill_(True)
+    return record
 
 
 def response_spec(layout: EnvLayout, size: ModelSize) -> TensorDict:

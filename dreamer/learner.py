@@ -16,7 +16,7 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
   per weight over all B x T rows instead of T small ones and T - 1 accumulations;
 - the scan's outputs cost no eager work between two steps of its backward: each step hands the loss tail
   copies of its outputs (one consumer per output) and the tail works time-major, so each step's gradient
-  arrives as one contiguous block (see `_cell_fn` and `_tail_fn`);
+  arrives as one contiguous block (see `dreamer.scan.Scan.cell_fn` and `_tail_fn`);
 - the encoder stage, the RSSM cell, the imagination step and the loss tail are compiled separately
   (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager agree; the
   optimizer's multi-tensor (foreach) ops run as they are;
@@ -35,13 +35,11 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
-from torchrl.modules.models.model_based import _straight_through_categorical
 from torchrl.objectives import symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
-from dreamer.agent import IMAGE_KEY, Agent
+from dreamer.agent import IMAGE_KEY, Agent, record_zeros
 from dreamer.losses import (
     TwoHot,
     actor_loss,
@@ -55,6 +53,7 @@ from dreamer.losses import (
     squared_error_loss,
 )
 from dreamer.optim import LaProp, OptimizerSettings
+from dreamer.scan import Scan
 
 METRICS = (
     "loss_model_reco", "loss_model_reward", "loss_model_dynamic", "loss_model_representation",
@@ -161,15 +160,14 @@ class Learner:
         estimator = loss.actor_loss.value_estimator
         self.gamma = estimator.gamma.to(self.device)
         self.retnorm = loss.actor_loss.retnorm
-        self._embed = _Compiled(self._embed_fn, self._report)
-        self._cell = _Compiled(self._cell_fn, self._report)
-        self._imagine = _Compiled(self._imagine_fn, self._report)
+        self.scan = Scan(nets, self.layout, self.size, self.device)
+        self._embed = _Compiled(self.scan.embed_fn, self._report)
+        self._cell = _Compiled(self.scan.cell_fn, self._report)
+        self._imagine = _Compiled(self.scan.imagine_fn, self._report)
         self._tail = _Compiled(self._tail_fn, self._report)
         # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
         # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
         self._optimize = self._optimize_fn
-        self._specs = self._tap_specs()
-        self._eps = self.nets.prior.rnn.belief_projection[1].eps
         self.needs_warmup = compile or cudagraph
         self.updates = 0
         self._spans: deque = deque()  # CUDA events around updates whose time is not yet in busy_seconds
@@ -207,172 +205,6 @@ class Learner:
     # per update, not once per step), and a zero "tap" is added to each output; the gradient that reaches
     # a tap is the stacked output gradient dY of all steps, so each weight gradient is one matmul over all
     # B x T rows after the backward pass instead of T small ones plus T - 1 accumulations.
-
-    def _tap_specs(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter | None, int]]:
-        """(kind, weight, bias, width of the output) of each tapped operation of the scan, in order."""
-        rnn, post = self.nets.prior.rnn, self.nets.posterior.obs_rnn_to_post_projector
-        specs = []
-        for projection in (rnn.belief_projection, rnn.state_projection):
-            specs.append(("linear", projection[0].weight, projection[0].bias, projection[0].out_features))
-            specs.append(("norm", projection[1].weight, None, projection[0].out_features))
-        for i in range(0, len(rnn.hidden_layers), 3):
-            block, norm = rnn.hidden_layers[i], rnn.hidden_layers[i + 1]
-            specs.append(("block", block.weight, block.bias, block.out_features))
-            specs.append(("norm", norm.weight, None, block.out_features))
-        specs.append(("block", rnn.gates.weight, rnn.gates.bias, rnn.gates.out_features))
-        specs.append(("belief_columns", post[0].weight, None, post[0].out_features))
-        for i in range(1, len(post) - 1, 3):
-            specs.append(("norm", post[i].weight, None, post[i].weight.shape[0]))
-            if i + 2 < len(post) - 1:
-                specs.append(("linear", post[i + 2].weight, post[i + 2].bias, post[i + 2].out_features))
-        specs.append(("linear", post[-1].weight, post[-1].bias, post[-1].out_features))
-        return specs
-
-    def _scan_weights(self, dtype: torch.dtype) -> list[tuple]:
-        """The tapped operations' weights, detached, in the compute dtype (norm scales stay float32)."""
-        weights = []
-        for kind, weight, bias, _ in self._specs:
-            if kind == "norm":
-                weights.append((weight.detach().float(), None))
-            elif kind == "belief_columns":
-                weights.append((weight.detach()[:, : self.size.deter].to(dtype), None))
-            else:
-                weights.append((weight.detach().to(dtype), bias.detach().to(dtype)))
-        return weights
-
-    @staticmethod
-    def _linear(x, weight, bias, tap, records):
-        if records is not None:
-            records.append(x.detach())
-        y = F.linear(x, weight, bias)
-        return y if tap is None else y + tap
-
-    @staticmethod
-    def _block(x, weight, bias, tap, records):
-        """Block-diagonal linear on x [B, blocks, in / blocks] -> [B, out]."""
-        if records is not None:
-            records.append(x.detach())
-        y = torch.bmm(x.transpose(0, 1), weight).transpose(0, 1)
-        y = y.reshape(x.shape[0], -1) + bias.to(y.dtype)
-        return y if tap is None else y + tap
-
-    def _norm_silu(self, y, scale, tap, records):
-        xhat = F.rms_norm(y.float(), (y.shape[-1],), None, self._eps)
-        if records is not None:
-            records.append(xhat.detach())
-        out = (xhat * scale).to(y.dtype)
-        return F.silu(out if tap is None else out + tap)
-
-    def _gru(self, state, belief, action_features, weights, taps, records):
-        """h' = f(z, h, a): the block GRU of the prior, on tapped operations (torchrl's arithmetic)."""
-        n = iter(range(len(weights)))
-        parts = []
-        for x in (belief, state):
-            i, j = next(n), next(n)
-            y = self._linear(x, *weights[i], taps[i], records)
-            parts.append(self._norm_silu(y, weights[j][0], taps[j], records))
-        features = torch.cat([*parts, action_features], -1)
-        blocks = self.nets.prior.rnn.num_blocks
-        grouped = belief.reshape(belief.shape[0], blocks, -1)
-        hidden = torch.cat([grouped, features.unsqueeze(-2).expand(-1, blocks, -1)], -1)
-        for _ in range(len(self.nets.prior.rnn.hidden_layers) // 3):
-            i, j = next(n), next(n)
-            y = self._block(hidden, *weights[i], taps[i], records)
-            hidden = self._norm_silu(y, weights[j][0], taps[j], records).reshape(belief.shape[0], blocks, -1)
-        i = next(n)
-        gates = self._block(hidden, *weights[i], taps[i], records)
-        reset, candidate, update = gates.reshape(belief.shape[0], blocks, 3, -1).unbind(-2)
-        reset = reset.flatten(-2).sigmoid()
-        candidate = (reset * candidate.flatten(-2)).tanh()
-        update = (update.flatten(-2) - 1.0).sigmoid()
-        return update * candidate + (1 - update) * belief, next(n)
-
-    def _cell_fn(self, state, belief, action_features, embed_part, reset, uniform, weights, taps):
-        """One RSSM step on the posterior path: h[t] = f(z[t-1], h[t-1], a[t-1]), z[t] ~ q(h[t], e[t]).
-
-        Returns (h[t], posterior logits, z[t], the tapped operations' inputs, copies of h[t] and z[t]).
-        The next step takes h[t] and z[t], the loss tail their copies: each output then has one consumer,
-        and the compiled backward adds the two gradients inside its own kernels, where a tensor used twice
-        would make autograd add them in a kernel of its own at every step."""
-        records = []
-        state = torch.where(reset, 0, state)
-        belief = torch.where(reset, 0, belief)
-        belief, i = self._gru(state, belief, action_features, weights, taps, records)
-        y = self._linear(belief, weights[i][0], None, taps[i], records) + embed_part
-        post = self.nets.posterior.obs_rnn_to_post_projector
-        for _ in range(1, len(post) - 1, 3):
-            i += 1
-            y = self._norm_silu(y, weights[i][0], taps[i], records)
-            if i + 1 < len(weights) - 1:
-                i += 1
-                y = self._linear(y, *weights[i], taps[i], records)
-        i += 1
-        logits = self._linear(y, *weights[i], taps[i], records)
-        logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
-        state = _straight_through_categorical(logits, self.nets.posterior.unimix, uniform).flatten(-2)
-        return belief, logits, state, records, belief.clone(), state.clone()
-
-    def _embed_fn(self, observations, action, reset):
-        """The scan's inputs for all steps at once: the observation part of the posterior's first layer
-        (encoder included) and the prior's action projection (actions zeroed where an episode starts)."""
-        nets = self.nets
-        embed = nets.encoder(*observations)
-        action = torch.where(reset, 0, action)
-        action_features = nets.prior.rnn.action_projection(action / action.detach().abs().clamp_min(1))
-        first = nets.posterior.obs_rnn_to_post_projector[0]
-        return F.linear(embed, first.weight[:, self.size.deter:], first.bias), action_features
-
-    def _scan_grads(self, tap_grads, records) -> dict:
-        """Each tapped weight's gradient from the stacked output gradients and the stacked inputs."""
-        grads = {}
-        for (kind, weight, bias, _), dy, x in zip(self._specs, tap_grads, records):
-            rows = dy.reshape(-1, dy.shape[-1])
-            if kind == "norm":
-                grads[weight] = (rows.float() * x.reshape(-1, x.shape[-1])).sum(0)
-                continue
-            if kind == "block":
-                blocks = weight.shape[0]
-                inputs = x.reshape(-1, blocks, x.shape[-1]).transpose(0, 1).to(rows.dtype)
-                outputs = rows.reshape(-1, blocks, rows.shape[-1] // blocks).transpose(0, 1)
-                grads[weight] = torch.bmm(inputs.transpose(1, 2), outputs).float()
-            else:
-                grads[weight] = (rows.t() @ x.reshape(-1, x.shape[-1]).to(rows.dtype)).float()
-            if bias is not None:
-                grads[bias] = rows.float().sum(0)
-        return grads
-
-    def _imagine_fn(self, state, belief, noise, uniform, weights):
-        """One imagination step: the actor's action at (z, h), then the prior's (z', h'), on given draws.
-
-        The action is sampled as torchrl's distributions sample it, from the same draws: a one-hot action
-        is torch.multinomial's single draw, argmax(p / q) with q ~ Exp(1) (`noise`), and a continuous one
-        is mean + std * noise with noise ~ N(0, 1). With the draws made outside, sampling fuses into this
-        step's kernels, where multinomial would launch a dozen of its own (input checks included)."""
-        if self.layout.discrete:
-            logits = self.nets.actor_net(state, belief)
-            probs = torch.softmax(logits - logits.logsumexp(-1, keepdim=True), -1)
-            action = F.one_hot((probs / noise).argmax(-1), probs.shape[-1]).to(probs.dtype)
-        else:
-            mean, std = self.nets.actor_net(state, belief)
-            action = mean + std * noise.to(mean.dtype)
-        state, belief = self._prior_step(state, belief, action, uniform, weights)
-        return state, belief, action
-
-    def _imagination_noise(self, rows: int) -> torch.Tensor:
-        """The actor's draw for one imagination step (see _imagine_fn): Exp(1) or N(0, 1), [rows, actions]."""
-        noise = torch.empty(rows, self.layout.action_dim, device=self.device)
-        return noise.exponential_() if self.layout.discrete else noise.normal_()
-
-    def _prior_step(self, state, belief, action, uniform, weights):
-        """Imagination: one prior step with a given uniform draw."""
-        rnn = self.nets.prior.rnn
-        action_features = rnn.action_projection(action / action.detach().abs().clamp_min(1))
-        taps = [None] * len(weights)
-        belief, _ = self._gru(state, belief, action_features, weights, taps, None)
-        logits = self.nets.prior.rnn_to_prior_projector(belief)
-        logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
-        state = _straight_through_categorical(logits, self.nets.prior.unimix, uniform)
-        return state.flatten(-2), belief
 
     def _critic(self, state, belief, slow: bool = False):
         if slow:
@@ -518,7 +350,7 @@ class Learner:
         taps, records = scan
         grads = torch.autograd.grad(total, [*self.params, *taps], allow_unused=True)
         by_param = dict(zip(self.params, grads[: len(self.params)]))
-        for param, grad in self._scan_grads(grads[len(self.params):], records).items():
+        for param, grad in self.scan.weight_grads(grads[len(self.params):], records).items():
             current = by_param[param]
             if grad.shape != param.shape:  # the posterior's first layer: only its belief columns are tapped
                 current = torch.zeros_like(param) if current is None else current.clone()
@@ -534,7 +366,7 @@ class Learner:
         batch, length = inputs["action"].shape[:2]
         with self._autocast():
             dtype = torch.bfloat16 if self.bf16 else torch.float32
-            weights = self._scan_weights(dtype)
+            weights = self.scan.weights(dtype)
             # Everything that does not depend on the recurrence runs once on the whole batch.
             observations = [inputs[k] for k in self.layout.vector_keys]
             if self.layout.image_shape is not None:
@@ -542,7 +374,7 @@ class Learner:
             reset = inputs["is_init"]
             embed_part, action_features = self._embed(observations, inputs["action"], reset)
             uniforms = torch.rand(length, 2, batch, self.size.stoch, device=self.device)
-            widths = [width for _, _, _, width in self._specs]  # all taps in one zero buffer: one fill
+            widths = [width for _, _, _, width in self.scan.specs]  # all taps in one zero buffer: one fill
             taps = torch.zeros(length, batch, sum(widths), dtype=dtype, device=self.device,
                                requires_grad=True).split(widths, -1)
             tap_steps = [tap.unbind(0) for tap in taps]
@@ -568,7 +400,7 @@ class Learner:
                 b = beliefs.detach().transpose(0, 1).reshape(-1, beliefs.shape[-1])
                 img_s, img_b, img_a = [s], [b], []
                 for _ in range(self.loss.actor_loss.imagination_horizon):
-                    noise = self._imagination_noise(s.shape[0])  # the draws in torchrl's order: action, prior
+                    noise = self.scan.imagination_noise(s.shape[0])  # the draws in torchrl's order: action, prior
                     uniform = torch.rand(s.shape[0], self.size.stoch, device=self.device)
                     s, b, a = self._imagine(s, b, noise, uniform, weights)
                     img_s.append(s), img_b.append(b), img_a.append(a)
@@ -582,19 +414,10 @@ class Learner:
 
     def synthetic_batch(self, batch_size: int, length: int) -> TensorDict:
         """A batch with the shapes and dtypes of a replay sample, for warming up before collection."""
-        layout, size, shape = self.layout, self.size, (batch_size, length)
-        nxt = {"reward": torch.zeros(*shape, 1), "done": torch.zeros(*shape, 1, dtype=torch.bool),
-               "terminated": torch.zeros(*shape, 1, dtype=torch.bool)}
-        for key, width in zip(layout.vector_keys, layout.vector_sizes):
-            nxt[key] = torch.zeros(*shape, width)
-        if layout.image_shape is not None:
-            nxt[IMAGE_KEY] = torch.zeros(*shape, *layout.image_shape, dtype=torch.uint8)
-        is_init = torch.zeros(*shape, 1, dtype=torch.bool)
-        is_init[:, 0] = True
-        action = torch.zeros(*shape, layout.action_dim)
-        action[..., 0] = 1
-        return TensorDict({"state": torch.zeros(*shape, size.latent), "belief": torch.zeros(*shape, size.deter),
-                           "action": action, "is_init": is_init, "next": nxt}, list(shape), device=self.device)
+        batch = record_zeros(self.layout, self.size, (batch_size, length))
+        batch["is_init"][:, 0] = True
+        batch["action"][..., 0] = 1
+        return batch.to(self.device)
 
     def _report(self, line: str) -> None:
         if self.progress is not None:
@@ -639,10 +462,11 @@ class Learner:
         self.needs_warmup = False
         return time.perf_counter() - start
 
-    def update(self, batch: TensorDictBase) -> TensorDictBase:
-        """One update on batch [B, T]; writes the refreshed posterior to batch["replay_context"].
+    def update(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+        """One update on batch [B, T]; returns the refreshed posterior, (state [B, T, latent], belief
+        [B, T, deter]), on the learner's device (replay's write-back takes it).
 
-        With a CUDA graph the posterior tensors are the graph's outputs: valid until the next update.
+        With a CUDA graph these are the graph's outputs: valid until the next update.
         """
         if self.needs_warmup:
             raise RuntimeError("call warmup(batch) before the first update when compiling or capturing")
@@ -667,8 +491,7 @@ class Learner:
         else:
             self._busy += time.perf_counter() - start
         self.updates += 1
-        batch.set("replay_context", TensorDict({"state": state, "belief": belief}, batch.batch_size))
-        return batch
+        return state, belief
 
     def busy_seconds(self) -> float:
         """Device seconds spent in updates since the last call, counting the updates that have ended on

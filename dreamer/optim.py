@@ -10,15 +10,22 @@ from dataclasses import dataclass
 import torch
 
 
+# Adaptive gradient clipping limits a tensor's gradient norm to agc x max(this, its parameters' norm): a tensor
+# at zero (a head's output layer at its start) can still move.
+PARAMETER_NORM_MIN = 1e-3
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
-    lr: float = 4e-5
-    eps: float = 1e-20
-    agc: float = 0.3
-    warmup: int = 1000
-    beta1: float = 0.9
-    beta2: float = 0.999
-    parameter_norm_min: float = 1e-3
+    """The `optimizer:` section of the config (configs/config.yaml holds the defaults; dreamer.config builds
+    these from a composed config)."""
+
+    lr: float
+    eps: float
+    agc: float
+    warmup: int  # updates of linear learning-rate warm-up
+    beta1: float
+    beta2: float
 
 
 class LaProp:
@@ -56,7 +63,7 @@ class LaProp:
         grad_norm = torch.linalg.vector_norm(torch.stack(grad_norms))
         if s.agc:
             param_norms = torch._foreach_norm([p.detach().float() for p in params])
-            torch._foreach_clamp_min_(param_norms, s.parameter_norm_min)
+            torch._foreach_clamp_min_(param_norms, PARAMETER_NORM_MIN)
             limits = torch._foreach_mul(param_norms, s.agc)
             scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
             grads = torch._foreach_mul(grads, scales)

@@ -376,11 +376,10 @@ class Updates:
         clock = time.perf_counter()
         batch, handles = self.replay.sample()
         sampled = time.perf_counter()
-        batch = self.learner.update(batch[:, :-1])
+        state, belief = self.learner.update(batch[:, :-1])
         updated = time.perf_counter()
         if self.write_back:
-            context = batch.get("replay_context")
-            self.replay.write_back(handles, context.get("state"), context.get("belief"))
+            self.replay.write_back(handles, state, belief)
         written = time.perf_counter()
         self.source.synced(self.learner.updates)
         now = time.perf_counter()

@@ -277,15 +277,12 @@ class Replay:
         device: torch.device,
         seed: int = 0,
         prefetch: int | None = None,
-        stock: bool = False,
         directory: Path | None = None,
         context_dtype: torch.dtype = CONTEXT_DTYPE,
         online: bool = False,
     ):
         """online: fresh windows first, each once, uniform otherwise (the module's docstring).
         prefetch: samples prepared ahead in a thread (default: 1 for a CUDA learner, none on CPU).
-        stock: sample with torchrl's own SliceSampler (flags untouched) and storage, every record's
-        context included: the reference that scripts/bench_replay.py measures ours against.
         directory: keep the records in memory-mapped files there (replay.storage=disk), for a replay
         larger than the host's memory. context_dtype: how the latent context is stored (tests of exact
         values use float32)."""
@@ -301,23 +298,8 @@ class Replay:
             )
         self.context_dtype = context_dtype
         self.table = _Table(streams, self.capacity, None if directory is None else Path(directory), context_dtype)
-        members = [
-            TensorDictReplayBuffer(
-                storage=(LazyTensorStorage(self.capacity) if stock
-                         else _StreamStorage(self.capacity, self.table, stream)),
-                # One trajectory per stream: slices run through episode ends but never across the
-                # write cursor of the circular storage. No window start is marked as an episode start.
-                sampler=(SliceSampler if stock else _StreamWindows)(
-                    slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True, init_key=None),
-                writer=TensorDictRoundRobinWriter(track_generations=True),
-            )
-            for stream in range(streams)
-        ]
-        if not stock and any(member.writer._generation is None
-                             or member.writer._generation.data_ptr() != self.table.generations[i].data_ptr()
-                             for i, member in enumerate(members)):
-            raise RuntimeError("torchrl's round-robin writer no longer keeps slot generations on its storage, where "
-                               "the replay shares them: install torchrl 0.14.1 (pyproject.toml pins it)")
+        members = [self._member(stream) for stream in range(streams)]
+        self._check_members(members)
         self.generator = torch.Generator().manual_seed(seed)
         self.buffer = ReplayBufferEnsemble(
             *members,
@@ -327,7 +309,7 @@ class Replay:
             batch_size=batch_size * self.sequence,
             generator=self.generator,
             pin_memory=self.device.type == "cuda",
-            prefetch=(prefetch or None) if stock else None,  # ours prepares its own (below)
+            prefetch=self._ensemble_prefetch(prefetch),
         )
         self.prefetch = (1 if self.device.type == "cuda" else 0) if prefetch is None else prefetch
         self._sampler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-sample")
@@ -339,23 +321,41 @@ class Replay:
         # Write-backs are applied in this thread, in submission order (see the module's docstring).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dreamer-write-back")
         self._writes: deque[Future] = deque()  # submitted, maybe not yet applied
-        self._visible_to_next: list[Future] = []  # stock: the write-backs torchrl's prepared sample observes
         self._stream_ids = torch.arange(streams)
         # Copies between host and learner on streams of their own (see `_upload` and `write_back`).
         self._uploads: dict[torch.device, torch.cuda.Stream] = {}
         self._downloads: dict[torch.device, torch.cuda.Stream] = {}
-        self.stock = stock
         self.added = 0
         # Records each stream has received since the run began (restored on resume): the positions
         # that checkpoints name records by. Changed under the stream's lock, with the insert.
         self.appended = [0] * streams
         self.lost_contexts = 0  # sampled sequences whose first record was overwritten before its context was read
-        self.online = online and not stock
+        self.online = online
         # Fresh windows (stream, end position: the window is positions [end - sequence, end)), queued as the
         # records arrive; each stream's next window ends batch_length after the last one queued.
         self._fresh: deque[tuple[int, int]] = deque()
         self._fresh_end = [1] * streams  # the first window ends at position batch_length + 1
         self.online_sampled = 0  # fresh windows handed to batches
+
+    def _member(self, stream: int) -> TensorDictReplayBuffer:
+        """Stream `stream`'s buffer: a view of its columns of the table, sampled in whole windows."""
+        return TensorDictReplayBuffer(
+            storage=_StreamStorage(self.capacity, self.table, stream),
+            # One trajectory per stream: slices run through episode ends but never across the write
+            # cursor of the circular storage. No window start is marked as an episode start.
+            sampler=_StreamWindows(slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True, init_key=None),
+            writer=TensorDictRoundRobinWriter(track_generations=True),
+        )
+
+    def _check_members(self, members: list) -> None:
+        if any(member.writer._generation is None
+               or member.writer._generation.data_ptr() != self.table.generations[i].data_ptr()
+               for i, member in enumerate(members)):
+            raise RuntimeError("torchrl's round-robin writer no longer keeps slot generations on its storage, where "
+                               "the replay shares them: install torchrl 0.14.1 (pyproject.toml pins it)")
+
+    def _ensemble_prefetch(self, prefetch: int | None) -> int | None:
+        return None  # the replay prepares its own batches ahead (`sample`)
 
     def add(self, records: TensorDictBase) -> None:
         """Appends one record per stream (records has batch size [streams])."""
@@ -488,8 +488,6 @@ class Replay:
 
     def sample(self) -> tuple[TensorDictBase, TensorDictBase]:
         """A batch [batch_size, batch_length + 1] on the learner device, and its host-side handles."""
-        if self.stock:
-            return self._stock_sample()
         if self._ahead:
             prepared, observe = self._ahead.popleft()
             data, staging = prepared.result()
@@ -569,17 +567,6 @@ class Replay:
     def _generations(self, members: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The current generation of each (member, slot) pair: members [n], slots [n, ...]."""
         return self.table.generations[members.reshape(-1, *[1] * (slots.ndim - 1)), slots]
-
-    def _stock_sample(self) -> tuple[TensorDictBase, TensorDictBase]:
-        """torchrl's sampling end to end (its prefetch thread, its storage's gathers), every record's
-        context included: the reference of scripts/bench_replay.py."""
-        prepared = bool(self.buffer._prefetch and len(self.buffer._prefetch_queue))
-        observe = self._visible_to_next if prepared else self._pending_writes()
-        data = self.buffer.sample().reshape(self.batch_size, self.sequence)  # prepares the next one
-        self._visible_to_next = self._pending_writes()
-        for write in observe:
-            write.result()
-        return self._upload(data.exclude(*HANDLE_KEYS, STREAM_KEY))[0], data.select(*HANDLE_KEYS)
 
     def _upload(self, *host: TensorDictBase | torch.Tensor) -> tuple:
         """The sample's pieces (pinned) on the learner device, copied on a stream of their own.
@@ -665,9 +652,7 @@ class Replay:
         def apply():
             if landed is not None:
                 landed.synchronize()
-            if self.stock:
-                return self.buffer.update_if_present(index=index, generation=generation, patch=patch)
-            return self._apply(index.get("buffer_ids"), index.get("index"), generation, patch)
+            return self._apply_patch(index, generation, patch)
 
         future = self._writer.submit(apply)
         self._pending_writes()  # raises the error of a failed earlier write-back, here
@@ -677,6 +662,9 @@ class Replay:
             # the next learner step for the same cores (measured: slower on 2 cores).
             future.result()
         return future
+
+    def _apply_patch(self, index: TensorDictBase, generation: torch.Tensor, patch: dict[str, torch.Tensor]):
+        return self._apply(index.get("buffer_ids"), index.get("index"), generation, patch)
 
     def _apply(self, members: torch.Tensor, slots: torch.Tensor, generation: torch.Tensor,
                patch: dict[str, torch.Tensor]) -> ConditionalUpdateResult:

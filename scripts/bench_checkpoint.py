@@ -33,13 +33,12 @@ from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_learner import _size  # noqa: E402  (scripts/ is on the path of a script run)
 from bench_replay import _layout  # noqa: E402
 
 from dreamer import checkpoint  # noqa: E402
-from dreamer.agent import IMAGE_KEY, LossSettings, build_agent  # noqa: E402
+from dreamer.agent import IMAGE_KEY, build_agent  # noqa: E402
 from dreamer.learner import Learner  # noqa: E402
-from dreamer.optim import OptimizerSettings  # noqa: E402
+from dreamer.config import reference_settings  # noqa: E402
 from dreamer.replay import Replay, record_bytes  # noqa: E402
 from dreamer.inference import request_spec  # noqa: E402
 
@@ -98,14 +97,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
-    layout, size = _layout(), _size(args.model)
+    (size, loss, optimizer), layout = reference_settings(args.model), _layout()
     device = torch.device(args.device)
     per_record = record_bytes(request_spec(layout, size))
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     with torch.device(device):
-        agent = build_agent(layout, size, LossSettings())
-    learner = Learner(agent, OptimizerSettings(), device, False, False, device.type == "cuda")
+        agent = build_agent(layout, size, loss)
+    learner = Learner(agent, optimizer, device, False, False, device.type == "cuda")
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(learner.state_dict()))
     _emit({"what": "setup", "records": args.records, "streams": args.streams, "model": args.model,
            "bytes_per_record": per_record, "replay_gb": per_record * args.records / 1e9,

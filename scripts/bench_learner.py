@@ -32,17 +32,15 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import Bounded, Composite, OneHot, Unbounded  # noqa: E402
 
-from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent  # noqa: E402
-from dreamer.config import CONFIG_DIR  # noqa: E402
+from dreamer.agent import EnvLayout, ModelSize, build_agent  # noqa: E402
+from dreamer.config import reference_settings  # noqa: E402
 from dreamer.learner import Learner  # noqa: E402
-from dreamer.optim import OptimizerSettings  # noqa: E402
 
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0}  # dense bf16 tensor-core peak (SXM)
 
@@ -56,9 +54,7 @@ def _layout(obs: str, obs_dim: int, actions: int) -> EnvLayout:
 
 
 def _size(name: str) -> ModelSize:
-    model = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())
-    model.pop("name")
-    return ModelSize(**model)
+    return reference_settings(name)[0]
 
 
 def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int, device) -> TensorDict:
@@ -146,14 +142,14 @@ def run_single(args) -> dict:
     layout = _layout(args.obs, args.obs_dim, args.actions)
     size = _size(args.model)
     with torch.device(device):
-        agent = build_agent(layout, size, LossSettings())
+        agent = build_agent(layout, size, reference_settings(args.model)[1])
     batch = _batch(layout, size, args.batch, args.length, device)
     result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
               "length": args.length, "cudnn_benchmark": args.cudnn_benchmark, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
     if args.single.startswith("ours"):
         compile = cuda and args.single in ("ours", "ours_cl")
-        learner = Learner(agent, OptimizerSettings(), device, compile=compile, cudagraph=cuda, bf16=cuda,
+        learner = Learner(agent, reference_settings(args.model)[2], device, compile=compile, cudagraph=cuda, bf16=cuda,
                           channels_last=args.single == "ours_cl",
                           progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
         if args.flops:
@@ -171,7 +167,7 @@ def run_single(args) -> dict:
         from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
         from torchrl.modules.models.model_based import RSSMRolloutV3
 
-        settings = OptimizerSettings()
+        settings = reference_settings(args.model)[2]
         optimizer = DreamerV3Optimizer(agent.loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
                                        warmup_steps=settings.warmup)
         if args.single == "torchrl_scan":

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, SliceSampler, TensorDictReplayBuffer, TensorDictRoundRobinWriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,7 +41,43 @@ from bench_learner import _emit, _size  # noqa: E402  (scripts/ is on the path o
 from dreamer.agent import IMAGE_KEY, EnvLayout, ModelSize  # noqa: E402
 from dreamer.config import CONFIG_DIR  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
-from dreamer.replay import Replay  # noqa: E402
+from dreamer.replay import HANDLE_KEYS, STREAM_KEY, Replay  # noqa: E402
+
+
+class StockReplay(Replay):
+    """The replay on torchrl's own pieces, the reference ours is measured against: each stream a
+    `LazyTensorStorage` sampled by torchrl's `SliceSampler` (episode flags untouched), the ensemble's own
+    prefetch thread and gathers, every record's context included in a batch, and write-backs through the
+    ensemble's `update_if_present`."""
+
+    def __init__(self, *args, prefetch: int | None = None, **kwargs):
+        self._visible_to_next: list = []  # the write-backs torchrl's prepared sample observes
+        super().__init__(*args, prefetch=prefetch, online=False, **kwargs)
+
+    def _member(self, stream: int) -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(
+            storage=LazyTensorStorage(self.capacity),
+            sampler=SliceSampler(slice_len=self.sequence, traj_key=STREAM_KEY, strict_length=True, init_key=None),
+            writer=TensorDictRoundRobinWriter(track_generations=True),
+        )
+
+    def _check_members(self, members: list) -> None:
+        pass  # torchrl's storages keep their own generations
+
+    def _ensemble_prefetch(self, prefetch: int | None) -> int | None:
+        return prefetch or None
+
+    def sample(self) -> tuple[TensorDict, TensorDict]:
+        prepared = bool(self.buffer._prefetch and len(self.buffer._prefetch_queue))
+        observe = self._visible_to_next if prepared else self._pending_writes()
+        data = self.buffer.sample().reshape(self.batch_size, self.sequence)  # prepares the next one
+        self._visible_to_next = self._pending_writes()
+        for write in observe:
+            write.result()
+        return self._upload(data.exclude(*HANDLE_KEYS, STREAM_KEY))[0], data.select(*HANDLE_KEYS)
+
+    def _apply_patch(self, index, generation, patch):
+        return self.buffer.update_if_present(index=index, generation=generation, patch=patch)
 
 
 def _layout() -> EnvLayout:
@@ -71,7 +108,8 @@ def _nbytes(batch: TensorDict) -> int:
 
 def measure(args, layout: EnvLayout, size: ModelSize, stock: bool) -> dict:
     device = torch.device(args.device)
-    replay = Replay(args.streams, args.streams * args.capacity, args.batch, args.length, device, seed=0, stock=stock)
+    replay = (StockReplay if stock else Replay)(args.streams, args.streams * args.capacity, args.batch, args.length,
+                                                device, seed=0)
     generator = torch.Generator().manual_seed(0)
     for stream in range(args.streams):
         for _ in range(args.per_stream // 64):

@@ -37,7 +37,8 @@ def minecraft_widths(model: str) -> tuple[int, int]:
     """The request and response row widths (bytes) of the Minecraft preset at `model`."""
     from omegaconf import OmegaConf
 
-    from dreamer.agent import EnvLayout, ModelSize
+    from dreamer.agent import EnvLayout
+    from dreamer.config import reference_settings
     from dreamer.envs import emulated
     from dreamer.inference import Rows, request_spec, response_spec
 
@@ -46,8 +47,7 @@ def minecraft_widths(model: str) -> tuple[int, int]:
     env = emulated.make(env_cfg, 0)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     env.close()
-    dims = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "model" / f"{model}.yaml")
-    size = ModelSize(**{k: dims[k] for k in ("deter", "hidden", "stoch", "classes", "depth", "units", "blocks")})
+    size = reference_settings(model)[0]
     return Rows(request_spec(layout, size)).width, Rows(response_spec(layout, size)).width
 
 

@@ -90,7 +90,8 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from dreamer import reaper
-    from dreamer.agent import EnvLayout, ModelSize
+    from dreamer.agent import EnvLayout
+    from dreamer.config import reference_settings
     from dreamer.envs import make_env
     from dreamer.inference import KillSafeSlotTransport, request_spec, response_spec
     from dreamer.workers import TIMES, _worker_main
@@ -101,8 +102,7 @@ def main() -> None:
     env = make_env(env_cfg, 0)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     env.close()
-    dims = OmegaConf.load(ROOT / "configs" / "model" / f"{args.model}.yaml")
-    size = ModelSize(**{k: dims[k] for k in ("deter", "hidden", "stoch", "classes", "depth", "units", "blocks")})
+    size = reference_settings(args.model)[0]
     transport = KillSafeSlotTransport(request_spec(layout, size), response_spec(layout, size), num_slots=1)
     client = transport.client()
     client.doorbell = InstantDoorbell(transport.responses, transport.response_rows, 0, layout.action_dim)

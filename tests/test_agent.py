@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-import yaml
 from tensordict import TensorDict
 from torchrl.data import Bounded, Composite, OneHot, Unbounded
 
 from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent, build_networks
-from dreamer.config import CONFIG_DIR
+from dreamer.config import reference_settings
 from dreamer.learner import Learner
 from dreamer.optim import OptimizerSettings
 
@@ -29,9 +30,18 @@ PINNED = {
 
 
 def _size(name: str, **changes) -> ModelSize:
-    model = yaml.safe_load((CONFIG_DIR / "model" / f"{name}.yaml").read_text())
-    model.pop("name")
-    return ModelSize(**{**model, **changes})
+    """A model size of configs/ (the reference's layer counts), with `changes`."""
+    return replace(reference_settings(name)[0], **changes)
+
+
+def _loss(**changes) -> LossSettings:
+    """The reference's loss settings (configs/), with `changes`."""
+    return replace(reference_settings()[1], **changes)
+
+
+def _optimizer(**changes) -> OptimizerSettings:
+    """The reference's optimizer settings (configs/), with `changes`."""
+    return replace(reference_settings()[2], **changes)
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
@@ -72,13 +82,13 @@ def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int) -> Tenso
 def test_one_update_has_finite_losses_and_changes_parameters(layout):
     torch.manual_seed(0)
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
-    agent = build_agent(layout, size, LossSettings(imag_length=4))
-    learner = Learner(agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
+    agent = build_agent(layout, size, _loss(imag_length=4))
+    learner = Learner(agent, _optimizer(lr=1e-3, warmup=0), "cpu")
     before = [p.detach().clone() for p in agent.loss.parameters()]
     # Reward and value heads start with zero output weights (outscale 0): their hidden layers get a
     # gradient from the second update on.
     learner.update(_batch(layout, size, 3, 6))
-    batch = learner.update(_batch(layout, size, 3, 6))
+    state, belief = learner.update(_batch(layout, size, 3, 6))
     metrics = learner.drain()
     losses = {k: v for k, v in metrics.items() if k.startswith("train/loss_")}
     assert {"train/loss_model_reco", "train/loss_model_reward", "train/loss_model_dynamic", "train/loss_actor",
@@ -86,16 +96,15 @@ def test_one_update_has_finite_losses_and_changes_parameters(layout):
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     changed = [not torch.equal(a, b.detach()) for a, b in zip(before, agent.loss.parameters())]
     assert all(changed)
-    context = batch.get("replay_context")
-    assert context.batch_size == torch.Size([3, 6]) and not context.get("state").requires_grad
+    assert state.shape[:2] == belief.shape[:2] == torch.Size([3, 6]) and not state.requires_grad
     # Categorical latents: each of the `stoch` groups is one-hot.
-    assert torch.allclose(context.get("state").reshape(3, 6, size.stoch, size.classes).sum(-1), torch.ones(3, 6, size.stoch))
+    assert torch.allclose(state.reshape(3, 6, size.stoch, size.classes).sum(-1), torch.ones(3, 6, size.stoch))
 
 
 def test_acting_policy_resets_the_carry_on_is_init():
     torch.manual_seed(0)
     size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
-    agent = build_agent(VECTOR, size, LossSettings())
+    agent = build_agent(VECTOR, size, _loss())
     record = TensorDict({"state": torch.randn(2, size.latent), "belief": torch.randn(2, size.deter),
                          "action": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "is_init": torch.tensor([[True], [True]]),
                          "next": {"observation": torch.ones(2, 4)}}, [2])

@@ -23,18 +23,19 @@ import torch
 from omegaconf import OmegaConf
 
 from dreamer import reaper
-from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
+from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError
 from dreamer.workers import Ingest, WorkerPool
 from dreamer.envs import make_env
 from dreamer.inference import Inference
 from dreamer.reaper import semaphore_prefix
 from dreamer.replay import Replay
+from tests.test_agent import _loss, _size
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.faults
 
-SIZE = ModelSize(deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
+SIZE = _size("size1m", deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
 ENV = {"suite": "gym", "task": "CartPole-v1", "max_episode_steps": 500}
 # A short run of the emulated Minecraft env with 2 workers and the server in its own process; it would
 # take hours to end by itself, so each test ends it.
@@ -47,7 +48,7 @@ def _agent():
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     env.close()
     torch.manual_seed(0)
-    return layout, build_agent(layout, SIZE, LossSettings())
+    return layout, build_agent(layout, SIZE, _loss())
 
 
 def _stat(pid: int) -> list[str] | None:

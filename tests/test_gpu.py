@@ -8,11 +8,10 @@ import threading
 import pytest
 import torch
 
-from dreamer.agent import LossSettings, build_agent
+from dreamer.agent import build_agent
 from dreamer.learner import Learner
-from dreamer.optim import OptimizerSettings
 from dreamer.replay import Replay
-from tests.test_agent import VECTOR, _batch, _size
+from tests.test_agent import VECTOR, _batch, _loss, _optimizer, _size
 from tests.test_replay import _records
 
 pytestmark = [
@@ -27,17 +26,17 @@ def test_learner_update_on_cuda(cudagraph):
     device = torch.device("cuda:0")
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
     with torch.device(device):
-        agent = build_agent(VECTOR, size, LossSettings(imag_length=4))
-    learner = Learner(agent, OptimizerSettings(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
+        agent = build_agent(VECTOR, size, _loss(imag_length=4))
+    learner = Learner(agent, _optimizer(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
     batch = _batch(VECTOR, size, 4, 8).to(device)
     learner.warmup(batch)
     before = [p.detach().clone() for p in agent.loss.parameters()]
     for _ in range(3):
-        batch = learner.update(_batch(VECTOR, size, 4, 8).to(device))
+        state, _ = learner.update(_batch(VECTOR, size, 4, 8).to(device))
     metrics = learner.drain()
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert sum(not torch.equal(a, b) for a, b in zip(before, agent.loss.parameters())) > 0
-    assert batch.get(("replay_context", "state")).device.type == "cuda"
+    assert state.device.type == "cuda"
 
 
 def _twins(compile: bool):
@@ -48,8 +47,8 @@ def _twins(compile: bool):
     for captured in (False, True):
         torch.manual_seed(0)
         with torch.device(device):
-            agent = build_agent(VECTOR, size, LossSettings(imag_length=4))
-        learners.append(Learner(agent, OptimizerSettings(warmup=0), device, compile=compile and captured,
+            agent = build_agent(VECTOR, size, _loss(imag_length=4))
+        learners.append(Learner(agent, _optimizer(warmup=0), device, compile=compile and captured,
                                 cudagraph=captured, bf16=False))
     batches = [_batch(VECTOR, size, 4, 8).to(device) for _ in range(6)]
     return learners, batches
@@ -64,8 +63,8 @@ def test_captured_step_replays_match_the_eager_updates(compile):
         results = []
         for learner in (eager, captured):
             torch.manual_seed(100 + step)
-            out = learner.update(batch.clone())
-            results.append((learner.drain(), out.get(("replay_context", "belief")).clone()))
+            _, belief = learner.update(batch.clone())
+            results.append((learner.drain(), belief.clone()))
         (m_eager, b_eager), (m_graph, b_graph) = results
         for key, value in m_eager.items():
             assert abs(m_graph[key] - value) <= 1e-3 * max(1.0, abs(value)), (step, key, value, m_graph[key])

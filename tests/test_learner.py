@@ -13,11 +13,11 @@ import torch
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
 
-from dreamer.agent import EnvLayout, LossSettings, build_agent
+from dreamer.agent import EnvLayout, build_agent
 from dreamer.learner import Learner
 from dreamer.losses import TwoHot
-from dreamer.optim import LaProp, OptimizerSettings
-from tests.test_agent import IMAGE, VECTOR, _batch, _size
+from dreamer.optim import LaProp
+from tests.test_agent import IMAGE, VECTOR, _batch, _loss, _optimizer, _size
 
 CONTINUOUS = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-1, 1, (3,)))
 LAYOUTS = {"vector": VECTOR, "image": IMAGE, "continuous": CONTINUOUS}
@@ -26,7 +26,7 @@ LAYOUTS = {"vector": VECTOR, "image": IMAGE, "continuous": CONTINUOUS}
 def _setup(layout, seed=0, two_hot="symexp"):
     torch.manual_seed(seed)
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
-    agent = build_agent(layout, size, LossSettings(imag_length=4, two_hot=two_hot))
+    agent = build_agent(layout, size, _loss(imag_length=4, two_hot=two_hot))
     batch = _batch(layout, size, 3, 6)
     batch["belief"] = torch.randn_like(batch["belief"])  # a carried-over start state, reset where is_init
     batch["state"] = torch.nn.functional.one_hot(torch.randint(0, 4, (3, 6, 4)), 4).flatten(-2).float()
@@ -46,7 +46,7 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, tol: float = 2e-5) -> bool:
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_losses_and_gradients_equal_torchrl(name):
     agent, batch = _setup(LAYOUTS[name])
-    learner = Learner(agent, OptimizerSettings(), "cpu")
+    learner = Learner(agent, _optimizer(), "cpu")
     retnorm = agent.loss.actor_loss.retnorm
     saved = retnorm.low.clone(), retnorm.high.clone()
     torch.manual_seed(1)
@@ -88,7 +88,7 @@ def test_updates_equal_torchrl_stepper():
     """
     agent, batch = _setup(VECTOR)
     twin, _ = _setup(VECTOR)  # same seed, same weights (a deep copy would leave torchrl's SoftUpdate behind)
-    settings = OptimizerSettings(lr=1e-3, warmup=2)
+    settings = _optimizer(lr=1e-3, warmup=2)
     learner = Learner(agent, settings, "cpu")
     optimizer = DreamerV3Optimizer(twin.loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
                                    warmup_steps=settings.warmup)
@@ -114,7 +114,7 @@ def test_updates_equal_torchrl_stepper():
 def test_warmup_leaves_no_trace():
     """Compiling on CPU runs real steps; the warm-up restores weights, optimizer and random state."""
     agent, batch = _setup(VECTOR)
-    learner = Learner(agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", compile=False, cudagraph=False)
+    learner = Learner(agent, _optimizer(lr=1e-3, warmup=0), "cpu", compile=False, cudagraph=False)
     learner.needs_warmup = True  # force the warm-up path without compiling (compile is for CUDA)
     before = [p.detach().clone() for p in learner.params]
     rng = torch.get_rng_state()
@@ -125,7 +125,7 @@ def test_warmup_leaves_no_trace():
 
 def test_busy_seconds_count_each_update_once():
     agent, batch = _setup(VECTOR)
-    learner = Learner(agent, OptimizerSettings(warmup=0), "cpu")
+    learner = Learner(agent, _optimizer(warmup=0), "cpu")
     assert learner.busy_seconds() == 0.0
     learner.update(batch.clone())
     learner.update(batch.clone())
@@ -139,7 +139,7 @@ def test_optimizer_equals_torchrl_on_the_same_gradients():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(7, 5), (5,), (3, 2, 2)]]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    settings = OptimizerSettings(lr=1e-2, warmup=3, agc=0.3)
+    settings = _optimizer(lr=1e-2, warmup=3, agc=0.3)
     ours = LaProp(params, settings)
     theirs = DreamerV3Optimizer(twins, lr=settings.lr, agc=settings.agc, eps=settings.eps, warmup_steps=settings.warmup)
     for step in range(6):
@@ -155,7 +155,7 @@ def test_optimizer_equals_torchrl_on_the_same_gradients():
 
 def test_an_older_checkpoint_is_refused_in_one_line():
     agent, _ = _setup(VECTOR)
-    learner = Learner(agent, OptimizerSettings(), "cpu")
+    learner = Learner(agent, _optimizer(), "cpu")
     with pytest.raises(ValueError, match="older learner"):
         learner.load_state_dict({"loss": agent.loss.state_dict(), "stepper": {}, "updates": 3})
     state = copy.deepcopy(learner.state_dict())  # a saved checkpoint holds copies
@@ -180,8 +180,8 @@ def _same_two_updates(ours: Learner, reference: Learner, batch, seed: int) -> No
 def test_compiled_step_follows_the_eager_updates_on_cpu():
     """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result."""
     (eager_agent, batch), (compiled_agent, _) = _setup(VECTOR), _setup(VECTOR)
-    eager = Learner(eager_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
-    compiled = Learner(compiled_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", compile=True)
+    eager = Learner(eager_agent, _optimizer(lr=1e-3, warmup=0), "cpu")
+    compiled = Learner(compiled_agent, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True)
     assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._cell, compiled._tail))
     _same_two_updates(compiled, eager, batch, seed=20)
 
@@ -204,8 +204,8 @@ def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
 
 def test_channels_last_cnns_change_no_result():
     (plain_agent, batch), (nhwc_agent, _) = _setup(IMAGE), _setup(IMAGE)
-    plain = Learner(plain_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu")
-    nhwc = Learner(nhwc_agent, OptimizerSettings(lr=1e-3, warmup=0), "cpu", channels_last=True)
+    plain = Learner(plain_agent, _optimizer(lr=1e-3, warmup=0), "cpu")
+    nhwc = Learner(nhwc_agent, _optimizer(lr=1e-3, warmup=0), "cpu", channels_last=True)
     convs = [m.weight for m in nhwc_agent.networks.encoder.cnn.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                          for w in convs)
@@ -219,7 +219,7 @@ def test_the_acting_policy_carries_the_learners_posterior(monkeypatch):
     same module-level function), so the two are deterministic and comparable."""
     import torchrl.modules.models.model_based as model_based
 
-    import dreamer.learner as learner_module
+    import dreamer.scan as scan_module
     from tensordict import TensorDict
 
     def mode(logits, unimix=0.0, uniform=None):
@@ -228,13 +228,13 @@ def test_the_acting_policy_carries_the_learners_posterior(monkeypatch):
         return probs + (one_hot - probs).detach()
 
     monkeypatch.setattr(model_based, "_straight_through_categorical", mode)
-    monkeypatch.setattr(learner_module, "_straight_through_categorical", mode)
+    monkeypatch.setattr(scan_module, "_straight_through_categorical", mode)
     torch.manual_seed(0)
     agent, _ = _setup(CONTINUOUS)
     with torch.no_grad():  # weights far from their initialization, so that every input matters
         for parameter in agent.loss.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
-    learner = Learner(agent, OptimizerSettings(), "cpu")
+    learner = Learner(agent, _optimizer(), "cpu")
     size, steps = agent.size, 12
     observations, actions = 3 * torch.randn(steps, 5), 3 * torch.rand(steps, 3) - 1.5
     state, belief, previous = torch.zeros(1, size.latent), torch.zeros(1, size.deter), torch.zeros(1, 3)
@@ -296,7 +296,7 @@ def test_the_symlog_two_hot_reads_and_trains_in_symlog_space_and_the_symexp_one_
 def test_the_learner_uses_the_two_hot_setting():
     def losses(two_hot):
         agent, batch = _setup(CONTINUOUS, two_hot=two_hot)
-        learner = Learner(agent, OptimizerSettings(), "cpu")
+        learner = Learner(agent, _optimizer(), "cpu")
         assert learner.reward_twohot.mode == learner.value_twohot.mode == two_hot
         torch.manual_seed(2)  # the reward head starts at zero output (every target costs log 255): move it
         with torch.no_grad():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,11 +257,22 @@ def test_a_sample_carries_the_context_of_each_sequences_first_record():
     replay.close()
 
 
+def _stock_replay_class():
+    """scripts/bench_replay.py's replay on torchrl's own storage and SliceSampler (the benchmark's reference)."""
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from bench_replay import StockReplay
+
+    return StockReplay
+
+
 @pytest.mark.parametrize("stock", [False, True], ids=["ours", "torchrl_sampler"])
 def test_windows_start_from_the_stored_context_and_are_not_marked_as_episode_starts(stock):
     """A window's first record keeps its stored is_init (False here): were it forced True, as torchrl's
     SliceSampler does by default, the learner would reset there and never use the stored context."""
-    replay = Replay(2, 40, 64, 3, torch.device("cpu"), seed=0, stock=stock, context_dtype=torch.float32)
+    kind = _stock_replay_class() if stock else Replay
+    replay = kind(2, 40, 64, 3, torch.device("cpu"), seed=0, context_dtype=torch.float32)
     for step in range(10):
         replay.add(_with_context(step, 2))
     batch, handles = replay.sample()

@@ -15,14 +15,15 @@ from tensordict import TensorDict
 from torch import nn
 from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
-from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent
+from dreamer.agent import EnvLayout, build_agent
 from dreamer.config import CONFIG_DIR, validate
 from dreamer.envs import make_env
 from dreamer.learner import Learner
 from dreamer.pipeline import InlineSource, Updates, WorkerSource
 from dreamer.replay import Replay
+from tests.test_agent import _loss, _size
 
-SIZE = ModelSize(deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
+SIZE = _size("size1m", deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
 
 
 def _cfg(*overrides: str):
@@ -107,7 +108,7 @@ def test_the_update_ratio_holds_through_the_inline_source():
     settings = validate(cfg)
     layout = _layout(cfg)
     torch.manual_seed(0)
-    agent = build_agent(layout, SIZE, LossSettings())
+    agent = build_agent(layout, SIZE, _loss())
     device = torch.device("cpu")
     replay = Replay(2, 4096, 4, 8, device, seed=0, context_dtype=torch.float32)
     learner = Learner(agent, settings.optimizer, device, compile=False, cudagraph=False, bf16=False)
