@@ -256,12 +256,13 @@ def _settings(kind, section: str, cfg: DictConfig):
     return kind(**values)
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
-    """The config the training command composes from `overrides` (configs/, through Hydra's compose API)."""
+def compose_config(overrides: list[str] | tuple[str, ...] = (), hydra: bool = False) -> DictConfig:
+    """The config the training command composes from `overrides` (configs/, through Hydra's compose API);
+    `hydra`: with Hydra's own section (the run folder it would make)."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 def model_size(cfg: DictConfig) -> ModelSize:

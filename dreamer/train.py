@@ -18,7 +18,8 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError
-from dreamer.config import ConfigError, check_composes, check_overrides, describe, set_threads, validate
+from dreamer.config import (ConfigError, check_composes, check_overrides, compose_config, describe, set_threads,
+                            validate)
 from dreamer.envs import frames_per_step, make_env
 from dreamer.evaluate import (evaluate, make_evaluator, missing_video_support, run_with_frames, summarize,
                               write_videos)
@@ -334,13 +335,8 @@ def check_run_folder(argv: list[str]) -> None:
     and fails there with a traceback otherwise). Sweeps make new folders of their own: not checked."""
     if any(arg in ("-m", "--multirun") for arg in argv):
         return
-    from hydra import compose, initialize_config_dir
-
-    from dreamer.config import CONFIG_DIR
-
     overrides = [arg for arg in argv if not arg.startswith("-") and "=" in arg]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    cfg = compose_config(overrides, hydra=True)
     folders = {Path(cfg.hydra.run.dir)}
     if "hydra:" not in str(OmegaConf.to_container(cfg.run)["dir"]):  # run.dir set apart from Hydra's folder
         folders.add(Path(str(cfg.run.dir)))

@@ -56,7 +56,7 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dreamer.agent import EnvLayout, build_agent  # noqa: E402
-from dreamer.config import CONFIG_DIR, validate  # noqa: E402
+from dreamer.config import compose_config, validate  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
 from dreamer.inference import percentile  # noqa: E402
 from dreamer.learner import Learner  # noqa: E402
@@ -66,8 +66,6 @@ from dreamer.replay import Replay  # noqa: E402
 
 def app_config(args):
     """The training command's config for `+exp=emulated` with this benchmark's settings."""
-    from hydra import compose, initialize_config_dir
-
     model = ["+debug=smoke"] if args.model == "smoke" else [f"model={args.model}"]
     device = args.device
     overrides = ["+exp=emulated", *model, f"batch_size={args.batch}", f"batch_length={args.length}",
@@ -77,8 +75,7 @@ def app_config(args):
                  f"replay.size={args.replay}", "run.compile=false" if args.no_compile else "run.compile=auto",
                  f"topology.learner={device}", f"topology.inference={args.inference_device or device}",
                  "run.dir=."]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 class Pipeline:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dreamer.agent import EnvLayout, build_agent  # noqa: E402
-from dreamer.config import CONFIG_DIR, validate  # noqa: E402
+from dreamer.config import compose_config, validate  # noqa: E402
 from dreamer.envs import make_env  # noqa: E402
 from dreamer.inference import _Acting, _ServingGraph, request_spec  # noqa: E402
 
@@ -40,12 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: bench_serving.py measures CUDA graphs: run it on a machine with a GPU")
-    from hydra import compose, initialize_config_dir
-
     overrides = [f"+exp={args.preset}", "run.dir=."] + (["env=emulated"] if args.preset == "minecraft" else [])
     overrides += [f"model={args.model}"] if args.model else []
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     settings = validate(cfg)
     env = make_env(cfg.env, 0)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)

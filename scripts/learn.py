@@ -57,14 +57,12 @@ def agent_steps(args, task: str, overrides: list[str]) -> int:
     """`--steps`, or `--frames` over the action repeat of the run's composed config (rounded up)."""
     if args.steps:
         return args.steps
-    from hydra import compose, initialize_config_dir
-
     sys.path.insert(0, str(ROOT))
+    from dreamer.config import compose_config
     from dreamer.envs import frames_per_step
 
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"+exp={args.preset}", f"env.task={task}",
-                                                       *[o for o in overrides if not o.startswith("hydra")]])
+    cfg = compose_config([f"+exp={args.preset}", f"env.task={task}",
+                          *[o for o in overrides if not o.startswith("hydra")]])
     return -(-args.frames // frames_per_step(cfg.env))
 
 

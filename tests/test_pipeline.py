@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchrl.envs import ExplorationType, set_exploration_type
@@ -27,7 +26,7 @@ import dreamer.inference as inference_module
 import dreamer.train as train_module
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.workers import WorkerPool
-from dreamer.config import CONFIG_DIR
+from dreamer.config import CONFIG_DIR, compose_config
 from dreamer.envs import make_env
 from dreamer.inference import Inference, request_spec
 from dreamer.replay import Replay
@@ -217,11 +216,9 @@ def test_a_smoke_run_with_four_workers_trains_and_logs_the_server(workdir, servi
 
 @pytest.fixture
 def smoke_cfg(tmp_path):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[
-            "+debug=smoke", "run.collect=workers", "run.envs=2", "run.chunk=8", "run.steps=100000",
-            f"run.dir={tmp_path / 'run'}", "run.eval_every=0", "run.name=dies", "logger.wandb=false"])
-    return cfg
+    return compose_config([
+        "+debug=smoke", "run.collect=workers", "run.envs=2", "run.chunk=8", "run.steps=100000",
+        f"run.dir={tmp_path / 'run'}", "run.eval_every=0", "run.name=dies", "logger.wandb=false"])
 
 
 def test_the_inference_server_dying_stops_training_with_a_message_and_a_checkpoint(smoke_cfg, monkeypatch):

@@ -10,13 +10,12 @@ from __future__ import annotations
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 from tensordict import TensorDict
 from torch import nn
 from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer.agent import EnvLayout, build_agent
-from dreamer.config import CONFIG_DIR, validate
+from dreamer.config import compose_config, validate
 from dreamer.envs import make_env
 from dreamer.learner import Learner
 from dreamer.pipeline import InlineSource, Updates, WorkerSource
@@ -27,8 +26,7 @@ SIZE = _size("size1m", deter=32, hidden=16, stoch=4, classes=4, depth=4, units=1
 
 
 def _cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=["+debug=smoke", "run.dir=.", *overrides])
+    return compose_config(["+debug=smoke", "run.dir=.", *overrides])
 
 
 class LeanPolicy(nn.Module):
