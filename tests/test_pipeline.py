@@ -158,7 +158,16 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
         snapshot = replay.stored(0)
 
         os.kill(pool.processes[0].pid, signal.SIGKILL)
-        after = _receive_until(pool, replay, lambda got: bool(ends) and any(c.stream == 0 for c in got[-1:]))
+        # The replacement's first chunk: the first of stream 0 from a receive that began after the restart
+        # (the dead worker's pipe is gone by then; one receive can return several chunks of a stream).
+        replacement, deadline = [], time.monotonic() + 180.0
+        while not replacement:
+            assert time.monotonic() < deadline, "no chunk from the replacement worker"
+            restarted = bool(ends)
+            for chunk in pool.receive(timeout=1.0):
+                replay.add_chunk(chunk.stream, chunk.records)
+                if restarted and chunk.stream == 0:
+                    replacement.append(chunk)
         assert pool.restarts >= 1 and [stream for stream, _ in ends] == [0]
         stored = replay.stored(0)[: snapshot.shape[0]]
         end_slot = ends[0][1]
@@ -166,8 +175,7 @@ def test_workers_send_consecutive_chunks_and_a_killed_worker_is_restarted_losing
         for key in ("state", "belief", "action", ("next", "observation"), ("next", "reward")):
             assert torch.equal(stored.get(key), snapshot.get(key)), key  # nothing already in replay is lost
         assert bool(replay.stored(0)[end_slot].get(("next", "done")))  # truncated there
-        new_chunk = next(c for c in after if c.stream == 0 and c is after[-1])
-        assert bool(new_chunk.records.get("is_init")[0])  # the replacement starts a fresh episode
+        assert bool(replacement[0].records.get("is_init")[0])  # the replacement starts a fresh episode
     finally:
         pool.close()
         inference.close()
