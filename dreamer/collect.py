@@ -43,11 +43,11 @@ class Episode:
     stats: dict[str, float] = field(default_factory=dict)  # the env's log_<name> flags at the end
 
 
-
 def shares(count: int, envs: int) -> list[int]:
     """The episodes each of `envs` envs gives to an evaluation of `count`: env i gives count // envs, one more
     for i < count % envs."""
     return [count // envs + (i < count % envs) for i in range(envs)]
+
 
 class Collector:
     """Drives envs with the acting policy (random exploration, or the policy's mode for evaluation)."""
