@@ -1,4 +1,6 @@
-"""The loss terms' building blocks as plain functions on tensors: λ-returns and the two-hot heads."""
+"""The loss terms as plain functions on tensors: the world model's reconstruction and continue losses,
+λ-returns and their scale, the actor's and the critic's losses, the replay value's targets, and the two-hot
+reward and value heads. dreamer.learner wires them to the networks' outputs."""
 
 from __future__ import annotations
 
