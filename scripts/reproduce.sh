@@ -164,10 +164,14 @@ case "${1:-}" in
     # The inference server's host copies by its process's intra-op threads (scripts/bench_server_copies.py,
     # beside SERVER_BUSY busy processes), then the Minecraft preset collecting only (no update:
     # run.train_start past the run; a replay of 200K records holds what 110 s collect) with the server on
-    # torch's default threads and on one, SERVER_SECONDS each; then their figures.
-    $PY scripts/bench_server_copies.py --threads 0,1 --busy "${SERVER_BUSY:-8}" --passes 1000 \
-      | tee "$OUT/server-copies.jsonl"
-    for threads in 0 1; do
+    # torch's default threads and on one, SERVER_SECONDS each; then their figures. SERVER_THREADS="1" runs
+    # the preset on one thread only; SERVER_COPIES=0 skips the copies' benchmark (collection alone, e.g. two
+    # commits side by side: run this group in each commit's tree).
+    if [ "${SERVER_COPIES:-1}" != 0 ]; then
+      $PY scripts/bench_server_copies.py --threads 0,1 --busy "${SERVER_BUSY:-8}" --passes 1000 \
+        | tee "$OUT/server-copies.jsonl"
+    fi
+    for threads in ${SERVER_THREADS:-0 1}; do
       timeout --foreground --signal=INT -k 30 "${SERVER_SECONDS:-110}" $PY -m dreamer.train +exp=minecraft env=emulated \
         run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=$threads \
         hydra.run.dir="$OUT/server-threads$threads-run" > "$OUT/server-threads$threads.log" 2>&1 || true
