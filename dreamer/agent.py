@@ -1,4 +1,5 @@
-"""The DreamerV3 agent: world model, actor, critic, losses and the acting policy, from torchrl modules.
+"""The DreamerV3 agent: world model, actor, critic and the acting policy, from torchrl modules (the losses
+are dreamer.learner's; `torchrl_loss` builds torchrl's on the same parameters, the learner's test oracle).
 
 Replay layout (one record per env step, the reference implementation's order):
 
@@ -12,7 +13,7 @@ set, exactly as the acting policy does. The refreshed posterior of record t is t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -291,9 +292,6 @@ class Agent:
     layout: EnvLayout
     size: ModelSize
     networks: Networks
-    loss: DreamerV3Loss
-    slow_critic: SoftUpdate
-    settings: LossSettings = field(default_factory=LossSettings)
 
     @property
     def policy(self) -> ActingPolicy:
@@ -325,11 +323,12 @@ class Networks:
     continue_head: Head
     critic_head: Head
     actor_net: nn.Module  # discrete: log-probabilities (unimix); continuous: (mean, std)
+    # Every trained network once, by name: what the learner optimizes (in this order) and checkpoints.
+    trained: nn.ModuleDict
 
     def parameter_count(self) -> int:
         """World model, actor and critic (shared modules counted once)."""
-        modules = nn.ModuleList([self.world_model, self.actor, self.critic])
-        return sum(p.numel() for p in modules.parameters())
+        return sum(p.numel() for p in self.trained.parameters())
 
 
 def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
@@ -444,15 +443,28 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
     )
     acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
     policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
+    trained = {"encoder": encoder, "prior": prior, "posterior": posterior, "vector_decoder": vector_decoder,
+               "image_decoder": image_decoder, "reward_head": reward_net, "continue_head": continue_net,
+               "actor": actor_net, "critic_head": critic_head}
+    trained = nn.ModuleDict({name: net for name, net in trained.items() if net is not None})
     return Networks(world_model, dream, continuation, actor, critic, policy, (targets, predictions, use_symlog),
                     prior, image_decoder, encoder, posterior, vector_decoder, reward_net, continue_net, critic_head,
-                    actor_net)
+                    actor_net, trained)
 
 
-def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent:
-    """Builds networks and DreamerV3's losses on the current default device, in float32."""
-    nets = build_networks(layout, size)
-    actor, critic = nets.actor, nets.critic
+def build_agent(layout: EnvLayout, size: ModelSize) -> Agent:
+    """Builds the agent's networks on the current default device, in float32."""
+    return Agent(layout, size, build_networks(layout, size))
+
+
+def torchrl_loss(agent: Agent, loss: LossSettings) -> tuple[DreamerV3Loss, SoftUpdate]:
+    """torchrl's DreamerV3 losses and slow-critic update on the agent's own parameters (shared, not copied;
+    the slow critic and the return normalization are the loss's own buffers).
+
+    A training run never builds it: dreamer.learner computes the losses itself. It is the learner's test
+    oracle (tests/test_learner.py, the torchrl variants of scripts/bench_learner.py), and it reads
+    checkpoints of the learner's first format, which saved this module's state dict."""
+    nets = agent.networks
     targets, predictions, use_symlog = nets.reconstruction
     model_loss = DreamerV3ModelLoss(
         nets.world_model,
@@ -460,16 +472,16 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         kl_mode="separate",
         lambda_dynamic=loss.kl_dynamic,
         lambda_representation=loss.kl_representation,
-        unimix=size.unimix,
+        unimix=agent.size.unimix,
         free_bits=loss.free_nats,
         reco_symlog=use_symlog,
-        num_reward_bins=size.bins,
+        num_reward_bins=agent.size.bins,
         detach_output=False,
     )
     model_loss.set_keys(pixels=targets, reco_pixels=predictions)
     actor_loss = DreamerV3ActorLoss(
-        actor,
-        critic,
+        nets.actor,
+        nets.critic,
         nets.imagination,
         continuation_model=nets.continuation,
         imagination_horizon=loss.imag_length,
@@ -480,9 +492,9 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
     )
     actor_loss.make_value_estimator(ValueEstimators.TDLambda, gamma=1.0 - 1.0 / loss.horizon, lmbda=loss.lmbda)
     value_loss = DreamerV3ValueLoss(
-        critic,
+        nets.critic,
         value_loss="two_hot",
-        num_value_bins=size.bins,
+        num_value_bins=agent.size.bins,
         actor_loss=actor_loss,
         slow_critic_regularization=loss.slow_critic,
     )
@@ -494,8 +506,7 @@ def build_agent(layout: EnvLayout, size: ModelSize, loss: LossSettings) -> Agent
         continuation_horizon=loss.horizon,
         lmbda=loss.lmbda,
     )
-    slow_critic = SoftUpdate(value_loss, tau=loss.slow_critic_tau)
-    return Agent(layout, size, nets, full_loss, slow_critic, loss)
+    return full_loss, SoftUpdate(value_loss, tau=loss.slow_critic_tau)
 
 
 class _Concat(nn.Module):

@@ -129,15 +129,27 @@ def write_videos(networks, frames: list, first: list, out: Path, stem: str) -> d
     return videos
 
 
-def load_weights(module: torch.nn.Module, state: dict, path: Path, config: Path) -> None:
-    """Loads a checkpoint's learner weights into `module`, built from `config`; CheckpointError (one line)
-    names the first parameter whose name or shape differs, which means the two come from different runs
-    or the config was edited after training."""
+def load_weights(agent, loss, state: dict, path: Path, config: Path) -> None:
+    """Loads a checkpoint's learner weights into `agent`, built from `config` (`loss`: its loss settings, to
+    read the learner's first state format through torchrl's loss); CheckpointError (one line) names the
+    first parameter whose name or shape differs, which means the two come from different runs or the config
+    was edited after training."""
+    from dreamer.agent import torchrl_loss
     from dreamer.checkpoint import CheckpointError
+    from dreamer.learner import Learner
 
-    weights = state.get("learner", {}).get("loss") if isinstance(state.get("learner"), dict) else None
+    learner = state.get("learner") if isinstance(state.get("learner"), dict) else {}
+    version = learner.get("format", 1)
+    if version not in (1, Learner.FORMAT):
+        raise CheckpointError(f"checkpoint {path} holds learner state format {version}, which this dreamer does not "
+                              "read; evaluate it with the dreamer that wrote it")
+    weights = learner.get("networks" if version == Learner.FORMAT else "loss")
     if not isinstance(weights, dict):
         raise CheckpointError(f"checkpoint {path} holds no learner weights")
+    module = agent.networks.trained
+    if version == 1:  # torchrl's DreamerV3Loss state dict, on the agent's own parameters
+        with torch.device(next(module.parameters()).device):
+            module = torchrl_loss(agent, loss)[0]
     own = module.state_dict()
     for name, tensor in own.items():
         theirs = weights.get(name)
@@ -197,9 +209,9 @@ def load_run(run_dir: Path, checkpoint_path: Path | None, seed_offset: int, devi
     env = make_env(cfg.env, cfg.seed + seed_offset)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     with torch.device(device or settings.topology.learner):
-        agent = build_agent(layout, settings.size, settings.loss)
+        agent = build_agent(layout, settings.size)
     try:
-        load_weights(agent.loss, state, path, config)
+        load_weights(agent, settings.loss, state, path, config)
     except checkpoint.CheckpointError as error:
         env.close()
         raise RunError(str(error)) from None

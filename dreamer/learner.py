@@ -36,22 +36,9 @@ from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.objectives import symlog
-from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
-from dreamer.agent import IMAGE_KEY, Agent, record_zeros
-from dreamer.losses import (
-    TwoHot,
-    actor_loss,
-    continue_loss,
-    critic_loss,
-    discrete_log_prob_entropy,
-    imagination_weights,
-    normal_log_prob_entropy,
-    replay_value_targets,
-    return_scale,
-    squared_error_loss,
-)
+from dreamer.agent import IMAGE_KEY, Agent, EnvLayout, LossSettings, record_zeros, torchrl_loss
+from dreamer.losses import Losses
 from dreamer.optim import LaProp, OptimizerSettings
 from dreamer.scan import Scan
 
@@ -63,9 +50,24 @@ METRICS = (
 )
 
 
-def _time_major(x: torch.Tensor) -> torch.Tensor:
-    """A [B, T, ...] target in the order of the scan's time-major outputs [T, B, ...]."""
-    return x.transpose(0, 1)
+def batch_inputs(batch: TensorDictBase, layout: EnvLayout) -> dict[str, torch.Tensor]:
+    """The tensors of one [B, T] replay batch that the update reads, by name."""
+    nxt = batch.get("next")
+    shape = batch.batch_size
+    inputs = {
+        "state": batch.get("state")[:, 0].contiguous(),
+        "belief": batch.get("belief")[:, 0].contiguous(),
+        "action": batch.get("action").float(),
+        "is_init": batch.get("is_init").reshape(*shape, 1),
+        "reward": nxt.get("reward").reshape(*shape, 1).float(),
+        "done": nxt.get("done").reshape(*shape, 1),
+        "terminated": nxt.get("terminated").reshape(*shape, 1),
+    }
+    for key in layout.vector_keys:
+        inputs[key] = nxt.get(key)
+    if layout.image_shape is not None:
+        inputs[IMAGE_KEY] = nxt.get(IMAGE_KEY)
+    return inputs
 
 
 class MetricsRead:
@@ -86,6 +88,90 @@ class MetricsRead:
         return {f"train/{k}": float(v) / count for k, v in zip(METRICS, self.pinned[:-1].tolist())}
 
 
+class _MetricSums:
+    """The update's metrics summed on the device (no host synchronization in the step), read by period."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums = torch.zeros(len(METRICS), device=device)
+        self.count = torch.zeros((), device=device)
+
+    def add(self, metrics: dict) -> None:
+        values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
+                              for k in METRICS]).detach()
+        self.sums += values
+        self.count += 1
+
+    def read(self) -> MetricsRead:
+        """Starts reading the sums since the last read: a copy to pinned memory behind an event on the
+        current stream, so the caller need not wait for the updates still queued."""
+        cuda = self.device.type == "cuda"
+        pinned = torch.empty(len(METRICS) + 1, pin_memory=cuda)
+        pinned[: len(METRICS)].copy_(self.sums, non_blocking=True)
+        pinned[len(METRICS)].copy_(self.count, non_blocking=True)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.sums.zero_()
+        self.count.zero_()
+        return MetricsRead(pinned, event)
+
+
+class _BusyTime:
+    """Seconds spent in updates: CUDA events around each update on a GPU (counted once they have ended,
+    never waited for), the calls' host time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: deque = deque()  # events around updates whose time is not yet counted
+        self.busy = 0.0  # counted seconds not yet returned by take()
+        self.started: float | tuple = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self.started = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.started[0].record()
+        else:
+            self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        if not self.cuda:
+            self.busy += time.perf_counter() - self.started
+            return
+        self.started[1].record()
+        self.spans.append(self.started)
+        if len(self.spans) > 64:  # a long time between reads: count the ended ones now
+            self._count_ended()
+
+    def take(self) -> float:
+        self._count_ended()
+        seconds, self.busy = self.busy, 0.0
+        return seconds
+
+    def _count_ended(self) -> None:
+        while self.spans and self.spans[0][1].query():
+            start, end = self.spans.popleft()
+            self.busy += start.elapsed_time(end) / 1e3
+
+
+@contextlib.contextmanager
+def _undone(tensors: list[torch.Tensor], device: torch.device):
+    """Puts `tensors` and torch's random generators back as they were when the block ends."""
+    saved = [(t, t.detach().clone()) for t in tensors]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
 class _Compiled:
     """A function that is compiled once its learner asks for it (`torch.compile`, fixed shapes).
 
@@ -93,8 +179,9 @@ class _Compiled:
     reported through `progress`, so a slow warm-up says which piece it spends its time in.
     """
 
-    def __init__(self, fn, progress=None):
+    def __init__(self, fn, progress=None, name: str | None = None):
         self.fn = fn
+        self.name = name or fn.__name__.strip("_")
         self.compiled = None
         self.compile_seconds: float | None = None
         self.progress = progress
@@ -111,14 +198,20 @@ class _Compiled:
         out = self.compiled(*args)
         self.compile_seconds = time.perf_counter() - start
         if self.progress is not None:
-            self.progress(f"compiled {self.fn.__name__.strip('_')} in {self.compile_seconds:.1f} s")
+            self.progress(f"compiled {self.name} in {self.compile_seconds:.1f} s")
         return out
 
 
 class Learner:
+    """One DreamerV3 update per `update(batch)` (module docstring): the agent's networks, their optimizer
+    (`optimizer` settings) and `Losses` (`loss` settings, the slow critic and the return normalizer)."""
+
+    FORMAT = 2  # of state_dict(); 1 (the first) saved torchrl's DreamerV3Loss state dict under "loss"
+
     def __init__(
         self,
         agent: Agent,
+        loss: LossSettings,
         optimizer: OptimizerSettings,
         device: torch.device,
         compile: bool = False,
@@ -133,9 +226,8 @@ class Learner:
         if cudagraph and self.device.type != "cuda":
             raise ValueError("a CUDA graph needs a CUDA learner device")
         self.compile, self.cudagraph, self.bf16 = compile, cudagraph, bf16 and self.device.type == "cuda"
-        nets, loss = agent.networks, agent.loss
-        self.nets, self.loss = nets, loss
-        self.layout, self.size = agent.layout, agent.size
+        nets = self.nets = agent.networks
+        self.layout, self.size, self.settings = agent.layout, agent.size, loss
         if channels_last:
             # The image CNNs' weights in NHWC: convolutions then take and give channels-last maps (no
             # NCHW-NHWC transposes around cuDNN's kernels), and the channel RMS norm, which normalizes
@@ -143,188 +235,33 @@ class Learner:
             for cnn in (getattr(nets.encoder, "cnn", None), getattr(nets.image_decoder, "net", None)):
                 if cnn is not None:
                     cnn.to(memory_format=torch.channels_last)
-        self.params = [p for p in loss.parameters() if p.requires_grad]
+        self.params = list(nets.trained.parameters())
         self.optimizer = LaProp(self.params, optimizer)
-        # The slow critic: the value loss's target parameters, by the critic head's own names.
-        targets = loss.value_loss.target_value_model_params.flatten_keys(".")
-        prefix = "module.0.module."
-        self.critic_params = dict(nets.critic_head.named_parameters())
-        self.slow_params = {name[len(prefix):]: targets[name] for name in targets.keys() if name.startswith(prefix)}
-        if set(self.slow_params) != set(self.critic_params):
-            raise RuntimeError("the slow critic's parameters do not match the critic head's")
-        self.slow_list = [self.slow_params[n] for n in self.critic_params]
-        self.critic_list = list(self.critic_params.values())
-        self.tau = 1.0 - float(agent.slow_critic.eps)  # SoftUpdate: target <- lerp(target, source, 1 - eps)
-        self.reward_twohot = TwoHot(loss.model_loss.reward_bins, agent.settings.two_hot)
-        self.value_twohot = TwoHot(loss.value_loss.value_bins, agent.settings.two_hot)
-        estimator = loss.actor_loss.value_estimator
-        self.gamma = estimator.gamma.to(self.device)
-        self.retnorm = loss.actor_loss.retnorm
+        self.losses = Losses(nets, self.layout, self.size, loss, self.device)
         self.scan = Scan(nets, self.layout, self.size, self.device)
         self._embed = _Compiled(self.scan.embed_fn, self._report)
         self._cell = _Compiled(self.scan.cell_fn, self._report)
         self._imagine = _Compiled(self.scan.imagine_fn, self._report)
-        self._tail = _Compiled(self._tail_fn, self._report)
+        self._tail = _Compiled(self.losses, self._report, name="losses")
         # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
         # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
         self._optimize = self._optimize_fn
         self.needs_warmup = compile or cudagraph
         self.updates = 0
-        self._spans: deque = deque()  # CUDA events around updates whose time is not yet in busy_seconds
-        self._busy = 0.0  # update seconds counted, not yet returned by busy_seconds
-        self._sums = torch.zeros(len(METRICS), device=self.device)
-        self._count = torch.zeros((), device=self.device)
+        self._busy = _BusyTime(self.device)
+        self._metrics = _MetricSums(self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: dict[str, torch.Tensor] = {}
         self._outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    # ---- inputs ----------------------------------------------------------------------------------
-
     def _inputs(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
-        """The tensors of one [B, T] batch the step reads, by name."""
-        nxt = batch.get("next")
-        shape = batch.batch_size
-        inputs = {
-            "state": batch.get("state")[:, 0].contiguous(),
-            "belief": batch.get("belief")[:, 0].contiguous(),
-            "action": batch.get("action").float(),
-            "is_init": batch.get("is_init").reshape(*shape, 1),
-            "reward": nxt.get("reward").reshape(*shape, 1).float(),
-            "done": nxt.get("done").reshape(*shape, 1),
-            "terminated": nxt.get("terminated").reshape(*shape, 1),
-        }
-        for key in self.layout.vector_keys:
-            inputs[key] = nxt.get(key)
-        if self.layout.image_shape is not None:
-            inputs[IMAGE_KEY] = nxt.get(IMAGE_KEY)
-        return inputs
+        return batch_inputs(batch, self.layout)
 
     # ---- the compiled pieces -----------------------------------------------------------------------
 
-    # Tapped operations. Inside the scan every weight is a detached copy in the compute dtype (cast once
-    # per update, not once per step), and a zero "tap" is added to each output; the gradient that reaches
-    # a tap is the stacked output gradient dY of all steps, so each weight gradient is one matmul over all
-    # B x T rows after the backward pass instead of T small ones plus T - 1 accumulations.
-
-    def _critic(self, state, belief, slow: bool = False):
-        if slow:
-            return torch.func.functional_call(self.nets.critic_head, self.slow_params, (state, belief))
-        return self.nets.critic_head(state, belief)
-
-    def _tail_fn(self, inputs, states, beliefs, post_logits, img_states, img_beliefs, img_actions):
-        """Every loss after the two recurrences, on whole tensors; returns (total, metrics).
-
-        The posterior's states, beliefs and logits come time-major, [T, B, ...], and every loss that takes
-        their gradient runs in that order (its targets transposed, its means unchanged): their gradients
-        are then time-major too, so each scan step's share is a contiguous [B, ...] block, which the
-        step's compiled backward takes as it is (a strided one it would first copy, at every step)."""
-        losses, reward_logits, reward_target = self._model_losses(inputs, states, beliefs, post_logits)
-        behaviour, lambda_target, metrics = self._behaviour_losses(img_states, img_beliefs, img_actions)
-        losses.update(behaviour)
-        replay_value = self._replay_value_loss(inputs, states, beliefs, lambda_target)
-        losses["loss_replay_value"] = self.loss.replay_value_loss_weight * replay_value
-        total = sum(losses.values())
-        metrics = {
-            **losses,
-            **metrics,
-            "replay_value": replay_value.detach(),
-            # The model's rewards beside the real ones: on the replayed posterior (observations seen) and per
-            # step of imagination (the actor's own actions, in `metrics`); imagined returns far above what the
-            # real rewards can sustain show the actor exploiting the model (LEARNING.md).
-            "reward_seen": self.reward_twohot.mean(reward_logits.detach().float()).mean(),
-            "reward_real": reward_target.float().mean(),
-        }
-        return total, metrics
-
-    def _model_losses(self, inputs, states, beliefs, post_logits):
-        """The world model's losses (KL, reconstruction, reward, continue) on the time-major posterior;
-        also the reward head's logits and targets, for the metrics."""
-        nets, mloss = self.nets, self.loss.model_loss
-        length, batch = beliefs.shape[:2]
-        prior_logits = nets.prior.rnn_to_prior_projector(beliefs)
-        prior_logits = prior_logits.view(*prior_logits.shape[:-1], self.size.stoch, self.size.classes)
-        dynamic, representation = categorical_kl_terms(post_logits, prior_logits, free_nats=mloss.free_bits,
-                                                       unimix=mloss.unimix)
-        reco = 0.0
-        if nets.vector_decoder is not None:
-            target = torch.cat([_time_major(inputs[k]).float() for k in self.layout.vector_keys], -1)
-            error = symlog(target) - symlog(nets.vector_decoder(states, beliefs))
-            reco = reco + squared_error_loss(error, length, batch)
-        if nets.image_decoder is not None:
-            error = _time_major(inputs[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
-            reco = reco + squared_error_loss(error, length, batch)
-        reward_logits, reward_target = nets.reward_head(states, beliefs), _time_major(inputs["reward"])
-        reward_loss = self.reward_twohot.loss(reward_logits, reward_target).mean()
-        continued = continue_loss(nets.continue_head(states, beliefs), _time_major(inputs["terminated"]))
-        losses = {
-            "loss_model_reco": mloss.lambda_reco * reco,
-            "loss_model_reward": mloss.lambda_reward * reward_loss,
-            "loss_model_dynamic": mloss.lambda_kl * mloss.lambda_dynamic * dynamic,
-            "loss_model_representation": mloss.lambda_kl * mloss.lambda_representation * representation,
-            "loss_model_continue": mloss.lambda_continue * continued,
-        }
-        return losses, reward_logits, reward_target
-
-    def _behaviour_losses(self, img_states, img_beliefs, img_actions):
-        """The actor's and the critic's losses on imagined states 0..H (actions 0..H-1); also the λ-returns
-        [N, H, 1] (the replay value's bootstrap) and the metrics of imagination."""
-        nets, settings = self.nets, self.loss
-        with torch.no_grad():  # targets: no gradient
-            next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
-            reward = self.reward_twohot.mean(nets.reward_head(next_s, next_b)).unsqueeze(-1)
-            value_logits_all = self._critic(img_states, img_beliefs)
-            next_value = self.value_twohot.mean(value_logits_all[:, 1:]).unsqueeze(-1)
-            continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
-            continuation = continuation_all[:, 1:]
-            lambda_target = settings.actor_loss.lambda_target(reward, next_value, continuation)  # [N, H, 1]
-            weight = imagination_weights(continuation_all, self.gamma)
-            scale = return_scale(lambda_target, self.retnorm)  # EMA of the 5th / 95th percentiles
-            baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
-            advantage = (lambda_target - baseline) / scale
-
-        root_s, root_b = img_states[:, :-1], img_beliefs[:, :-1]
-        if self.layout.discrete:
-            log_prob, entropy = discrete_log_prob_entropy(nets.actor_net(root_s, root_b), img_actions)
-        else:
-            log_prob, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions)
-        actor, entropy = actor_loss(log_prob, entropy, advantage, weight, settings.actor_loss.entropy_bonus)
-
-        value_logits = self._critic(root_s, root_b)
-        with torch.no_grad():
-            slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
-        critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
-                                        weight.squeeze(-1), settings.value_loss.slow_critic_regularization)
-        metrics = {
-            "actor_entropy": entropy.detach(),
-            "return_low": self.retnorm.low.squeeze(-1).clone(),
-            "return_high": self.retnorm.high.squeeze(-1).clone(),
-            "return_scale": scale.detach(),
-            "continuation_mean": continuation.mean(),
-            "value_slow_loss": slow_loss.detach(),
-            "reward_imagined": reward.mean(),
-        }
-        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
-
-    def _replay_value_loss(self, inputs, states, beliefs, lambda_target):
-        """The critic on the replayed sequence (time-major; it trains the representation too), toward
-        λ-returns bootstrapped from each posterior's imagined return, regularized toward the slow critic."""
-        settings = self.loss
-        length, batch = beliefs.shape[:2]
-        with torch.no_grad():
-            bootstrap = lambda_target[:, 0, 0].reshape(batch, length).unsqueeze(-1)  # [B, T, 1]: rows in (b, t) order
-            done = inputs["done"]
-            target = _time_major(replay_value_targets(
-                inputs["reward"], bootstrap, done, inputs["terminated"],
-                gamma=1 - 1 / settings.continuation_horizon, lmbda=settings.lmbda))  # [T-1, B]
-            weight = _time_major(~done[:, :-1].squeeze(-1)).float()
-            slow = self.value_twohot.mean(self._critic(states, beliefs, slow=True))[:-1]
-        loss, _ = critic_loss(self.value_twohot, self._critic(states, beliefs)[:-1], target, slow, weight,
-                              settings.value_loss.slow_critic_regularization)
-        return loss
-
     def _optimize_fn(self, grads):
         grad_norm = self.optimizer.step(grads)
-        torch._foreach_lerp_(self.slow_list, [p.detach() for p in self.critic_list], self.tau)
+        self.losses.update_slow_critic()
         return grad_norm
 
     # ---- the update ------------------------------------------------------------------------------
@@ -338,10 +275,7 @@ class Learner:
         """One whole update on named input tensors; returns the posterior (state, belief) [B, T, ...]."""
         total, metrics, states, beliefs, scan = self._losses(inputs)
         metrics["grad_norm"] = self._optimize(self._gradients(total, scan))
-        values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=self.device).reshape(())
-                              for k in METRICS]).detach()
-        self._sums += values
-        self._count += 1
+        self._metrics.add(metrics)
         return (states.detach().to(torch.float32, memory_format=torch.contiguous_format),
                 beliefs.detach().to(torch.float32, memory_format=torch.contiguous_format))
 
@@ -399,7 +333,7 @@ class Learner:
                 s = states.detach().transpose(0, 1).reshape(-1, states.shape[-1])
                 b = beliefs.detach().transpose(0, 1).reshape(-1, beliefs.shape[-1])
                 img_s, img_b, img_a = [s], [b], []
-                for _ in range(self.loss.actor_loss.imagination_horizon):
+                for _ in range(self.settings.imag_length):
                     noise = self.scan.imagination_noise(s.shape[0])  # the draws in torchrl's order: action, prior
                     uniform = torch.rand(s.shape[0], self.size.stoch, device=self.device)
                     s, b, a = self._imagine(s, b, noise, uniform, weights)
@@ -432,31 +366,32 @@ class Learner:
         if not self.needs_warmup:
             return 0.0
         start = time.perf_counter()
-        saved = self._snapshot()
-        if self.compile:
-            for piece in (self._embed, self._cell, self._imagine, self._tail):
-                piece.enable()
-        inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
-        if self.cudagraph:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    self._step(inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            self._report(f"3 warm-up updates done at {time.perf_counter() - start:.1f} s")
-            self._graph = torch.cuda.CUDAGraph()
-            # A capture stream of its own: cuBLAS's workspace is chosen per stream at capture and baked
-            # into the graph; two graphs captured on torch's shared default capture stream share it and,
-            # replayed side by side (this step and the inference server's pass), can hang the GPU.
-            with torch.cuda.graph(self._graph, stream=torch.cuda.Stream(self.device)):
-                self._outputs = self._step(inputs)
-            self._static = inputs
-            self._report(f"captured the CUDA graph at {time.perf_counter() - start:.1f} s")
-        else:
-            self._step(inputs)
-        self._restore(saved)
+        state = [*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,
+                 *self.losses.state_tensors(), self._metrics.sums, self._metrics.count]
+        with _undone(state, self.device):
+            if self.compile:
+                for piece in (self._embed, self._cell, self._imagine, self._tail):
+                    piece.enable()
+            inputs = {k: v.to(self.device, non_blocking=True).clone() for k, v in self._inputs(batch).items()}
+            if self.cudagraph:
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        self._step(inputs)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                self._report(f"3 warm-up updates done at {time.perf_counter() - start:.1f} s")
+                self._graph = torch.cuda.CUDAGraph()
+                # A capture stream of its own: cuBLAS's workspace is chosen per stream at capture and baked
+                # into the graph; two graphs captured on torch's shared default capture stream share it and,
+                # replayed side by side (this step and the inference server's pass), can hang the GPU.
+                with torch.cuda.graph(self._graph, stream=torch.cuda.Stream(self.device)):
+                    self._outputs = self._step(inputs)
+                self._static = inputs
+                self._report(f"captured the CUDA graph at {time.perf_counter() - start:.1f} s")
+            else:
+                self._step(inputs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.needs_warmup = False
@@ -470,12 +405,7 @@ class Learner:
         """
         if self.needs_warmup:
             raise RuntimeError("call warmup(batch) before the first update when compiling or capturing")
-        cuda = self.device.type == "cuda"
-        if cuda:
-            span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            span[0].record()
-        else:
-            start = time.perf_counter()
+        self._busy.start()
         if self._graph is not None:
             for key, value in self._inputs(batch).items():
                 self._static[key].copy_(value, non_blocking=True)
@@ -483,69 +413,68 @@ class Learner:
             state, belief = self._outputs
         else:
             state, belief = self._step({k: v.to(self.device) for k, v in self._inputs(batch).items()})
-        if cuda:
-            span[1].record()
-            self._spans.append(span)
-            if len(self._spans) > 64:  # a long time between reads: count the ended ones now
-                self._count_ended_spans()
-        else:
-            self._busy += time.perf_counter() - start
+        self._busy.stop()
         self.updates += 1
         return state, belief
 
     def busy_seconds(self) -> float:
         """Device seconds spent in updates since the last call, counting the updates that have ended on
         the device (the others count at a later call); never waits. On CPU: the update calls' time."""
-        self._count_ended_spans()
-        seconds, self._busy = self._busy, 0.0
-        return seconds
-
-    def _count_ended_spans(self) -> None:
-        while self._spans and self._spans[0][1].query():
-            start, end = self._spans.popleft()
-            self._busy += start.elapsed_time(end) / 1e3
+        return self._busy.take()
 
     def read_metrics(self) -> MetricsRead:
-        """Starts reading the metrics summed since the last read: a copy to pinned memory behind an event
-        on the learner's stream, so the caller need not wait for the updates still queued."""
-        pinned = torch.empty(len(METRICS) + 1, pin_memory=self.device.type == "cuda")
-        pinned[: len(METRICS)].copy_(self._sums, non_blocking=True)
-        pinned[len(METRICS)].copy_(self._count, non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        self._sums.zero_()
-        self._count.zero_()
-        return MetricsRead(pinned, event)
+        """Starts reading the metrics summed since the last read (`MetricsRead`), without waiting for the
+        updates still queued on the learner's stream."""
+        return self._metrics.read()
 
     def drain(self) -> dict[str, float]:
         """Mean of each metric since the last read, waiting for it."""
         return self.read_metrics().result()
 
-    def _snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        tensors = [*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,
-                   *self.slow_list, self.retnorm.low, self.retnorm.high, self._sums, self._count]
-        rng = torch.get_rng_state(), (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
-        return [(t, t.detach().clone()) for t in tensors], rng
-
-    def _restore(self, saved) -> None:
-        tensors, (cpu_rng, cuda_rng) = saved
-        with torch.no_grad():
-            for tensor, value in tensors:
-                tensor.copy_(value)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, self.device)
-
     def state_dict(self) -> dict:
-        return {"loss": self.loss.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
+        return {"format": self.FORMAT, "networks": self.nets.trained.state_dict(), **self.losses.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
-        if "optimizer" not in state:
-            raise ValueError("this checkpoint was written by an older learner (no 'optimizer' state); "
-                             "start a new run folder or pass run.resume=never")
+        """In place (a captured graph keeps its tensors). Reads format 1 through torchrl's loss; ValueError
+        (one line) for a state it cannot read."""
+        version = state.get("format", 1 if "loss" in state else None)
+        if version == 1:
+            if "optimizer" not in state:
+                raise ValueError("this checkpoint was written by an older learner (no 'optimizer' state); "
+                                 "start a new run folder or pass run.resume=never")
+            state = _from_format_1(self, state)
+        elif version != self.FORMAT:
+            raise ValueError(f"this checkpoint's learner state is format {version}, not one this dreamer reads "
+                             f"(1 or {self.FORMAT}); resume it with the dreamer that wrote it, or start a new "
+                             "run folder")
         with torch.no_grad():
-            self.loss.load_state_dict(state["loss"])  # in place: captured graphs keep their tensors
+            self.nets.trained.load_state_dict(state["networks"])
+        self.losses.load_state_dict(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates = int(state["updates"])
+
+
+def _from_format_1(learner: Learner, state: dict) -> dict:
+    """A format-1 learner state (torchrl's DreamerV3Loss state dict, the optimizer's moments in that module's
+    parameter order) as format 2: torchrl's loss module, built on the learner's networks, loads it."""
+    with torch.device(learner.device):
+        oracle, _ = torchrl_loss(learner.agent, learner.settings)
+    with torch.no_grad():
+        oracle.load_state_dict(state["loss"])  # into the shared network parameters, and its own buffers
+    order = {id(p): i for i, p in enumerate(p for p in oracle.parameters() if p.requires_grad)}
+    if set(order) != {id(p) for p in learner.params}:
+        raise ValueError("this format-1 checkpoint's parameters are not this model's; resume it with the "
+                         "settings it was trained with")
+    index = [order[id(p)] for p in learner.params]
+    optimizer = state["optimizer"]
+    slow = oracle.value_loss.target_value_model_params.flatten_keys(".")
+    prefix = "module.0.module."  # the critic head inside torchrl's critic sequence
+    return {
+        "networks": learner.nets.trained.state_dict(),  # already loaded
+        "slow_critic": {name[len(prefix):]: slow[name] for name in slow.keys() if name.startswith(prefix)},
+        "return_norm": {"low": oracle.actor_loss.retnorm.low, "high": oracle.actor_loss.retnorm.high},
+        "optimizer": {"rms": [optimizer["rms"][i] for i in index],
+                      "momentum": [optimizer["momentum"][i] for i in index], "step": optimizer["step"]},
+        "updates": state["updates"],
+    }

@@ -1,13 +1,20 @@
-"""The loss terms as plain functions on tensors: the world model's reconstruction and continue losses,
-λ-returns and their scale, the actor's and the critic's losses, the replay value's targets, and the two-hot
-reward and value heads. dreamer.learner wires them to the networks' outputs."""
+"""DreamerV3's losses: the terms as plain functions on tensors (the world model's reconstruction and continue
+losses, λ-returns and their scale, the actor's and the critic's losses, the replay value's targets, the
+two-hot reward and value heads), and `Losses`, which applies them to the networks' outputs and holds the
+state they carry between updates (slow critic, return normalization). dreamer.learner calls `Losses`."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
-from torchrl.modules.models.model_based import two_hot_cross_entropy, two_hot_decode
+from torch import nn
+from torchrl.modules.models.model_based import _default_bins, two_hot_cross_entropy, two_hot_decode
 from torchrl.objectives import symexp, symlog
+from torchrl.objectives.dreamer_v3 import categorical_kl_terms
+
+from dreamer.agent import IMAGE_KEY, EnvLayout, LossSettings, ModelSize, Networks
 
 
 def lambda_returns(reward, next_value, done, terminated, gamma: float, lmbda: float) -> torch.Tensor:
@@ -89,13 +96,38 @@ def imagination_weights(continuation: torch.Tensor, gamma: torch.Tensor) -> torc
     return torch.cat([root[:, :1], gamma * root[:, 1:]], 1).cumprod(1)
 
 
-def return_scale(lambda_target: torch.Tensor, retnorm) -> torch.Tensor:
-    """Moves the return normalizer's 5th / 95th percentiles (torchrl's `PercentileValueNorm`: `low`, `high`
-    buffers, `rate`, quantiles `_q`) toward those of `lambda_target`; returns max(1, high - low)."""
-    low, high = torch.quantile(lambda_target.reshape(-1, 1), retnorm._q.to(lambda_target), dim=0)
-    retnorm.low.lerp_(low, retnorm.rate)
-    retnorm.high.lerp_(high, retnorm.rate)
-    return retnorm.scale().squeeze(-1)
+def imagined_returns(reward, next_value, continuation, gamma: torch.Tensor, lmbda: torch.Tensor) -> torch.Tensor:
+    """λ-returns [N, H, 1] of imagined steps 0..H-1 from their rewards, next values and continuations
+    [N, H, 1], bootstrapped from the last next value: R_t = r_t + gamma c_t ((1 - lmbda) v_t + lmbda R_{t+1}).
+    The recursion and its float operations in torchrl's order (DreamerV3ActorLoss.lambda_target)."""
+    gamma, lmbda = gamma.to(reward), lmbda.to(reward)
+    next_return = next_value[..., -1, :]
+    returns = []
+    for reward_t, value_t, continuation_t in zip(reversed(reward.unbind(-2)), reversed(next_value.unbind(-2)),
+                                                 reversed(continuation.unbind(-2))):
+        next_return = reward_t + gamma * continuation_t * ((1 - lmbda) * value_t + lmbda * next_return)
+        returns.append(next_return)
+    return torch.stack(returns[::-1], dim=-2)
+
+
+class ReturnNorm(nn.Module):
+    """The scale of the actor's advantages: exponential moving averages (`rate` per update) of the 5th and
+    95th percentiles of the imagined returns, scale = max(1, high - low). Buffers `low` and `high` [1]."""
+
+    def __init__(self, rate: float, device: torch.device | None = None):
+        super().__init__()
+        self.rate = rate
+        self.register_buffer("low", torch.zeros(1, device=device))
+        self.register_buffer("high", torch.zeros(1, device=device))
+        self.register_buffer("quantiles", torch.tensor([0.05, 0.95], device=device), persistent=False)
+
+    @torch.no_grad()
+    def update(self, returns: torch.Tensor) -> torch.Tensor:
+        """Moves the averages toward the percentiles of `returns`; returns the new scale (0-dim)."""
+        low, high = torch.quantile(returns.reshape(-1, 1), self.quantiles.to(returns), dim=0)
+        self.low.lerp_(low, self.rate)
+        self.high.lerp_(high, self.rate)
+        return (self.high - self.low).clamp_min(1.0).squeeze(-1)
 
 
 def discrete_log_prob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,3 +164,168 @@ def replay_value_targets(reward, bootstrap, done, terminated, gamma: float, lmbd
     """λ-returns along the replayed sequence [B, T - 1] from its rewards and flags [B, T, 1], bootstrapped
     from `bootstrap` [B, T, 1] (the imagined returns of each posterior); record t's reward came with o[t]."""
     return lambda_returns(reward[:, 1:], bootstrap[:, 1:], done[:, 1:], terminated[:, 1:], gamma=gamma, lmbda=lmbda)
+
+
+# ---- the losses wired to the networks ----
+
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    """A [B, T, ...] target in the order of the scan's time-major outputs [T, B, ...]."""
+    return x.transpose(0, 1)
+
+
+class Losses:
+    """DreamerV3's losses on the networks' outputs, with the state they carry from update to update: the
+    slow critic (an exponential moving average of the critic head, `tau` per update) and the return
+    normalizer. The learner calls it on the scan's and imagination's tensors inside its compiled tail.
+
+    Term for term torchrl's DreamerV3Loss built with the same settings (`dreamer.agent.torchrl_loss`;
+    tests/test_learner.py checks the losses and gradients against it)."""
+
+    def __init__(self, nets: Networks, layout: EnvLayout, size: ModelSize, settings: LossSettings,
+                 device: torch.device):
+        self.nets, self.layout, self.size, self.settings = nets, layout, size, settings
+        bins = _default_bins(size.bins, device=device)
+        self.reward_twohot = TwoHot(bins, settings.two_hot)
+        self.value_twohot = TwoHot(bins, settings.two_hot)
+        # float32 tensors, as torchrl's TD(lambda) estimator holds them (the same roundings of the returns)
+        self.gamma = torch.tensor(1.0 - 1.0 / settings.horizon, device=device)
+        self.lmbda = torch.tensor(settings.lmbda, device=device)
+        self.slow_critic = copy.deepcopy(nets.critic_head).requires_grad_(False)
+        self.slow_params = dict(self.slow_critic.named_parameters())
+        self.return_norm = ReturnNorm(settings.return_norm_rate, device=device)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors an update changes here (the learner's warm-up saves and restores them)."""
+        return [*self.slow_params.values(), self.return_norm.low, self.return_norm.high]
+
+    def update_slow_critic(self) -> None:
+        """slow <- slow + tau (critic - slow), after the optimizer's step."""
+        critic = [p.detach() for p in self.nets.critic_head.parameters()]
+        torch._foreach_lerp_(list(self.slow_params.values()), critic, self.settings.slow_critic_tau)
+
+    def state_dict(self) -> dict:
+        return {"slow_critic": self.slow_critic.state_dict(), "return_norm": self.return_norm.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """In place: a captured CUDA graph keeps reading the same tensors."""
+        with torch.no_grad():
+            self.slow_critic.load_state_dict(state["slow_critic"])
+            self.return_norm.load_state_dict(state["return_norm"])
+
+    def _critic(self, state, belief, slow: bool = False):
+        if slow:
+            return torch.func.functional_call(self.nets.critic_head, self.slow_params, (state, belief))
+        return self.nets.critic_head(state, belief)
+
+    def __call__(self, targets, states, beliefs, post_logits, img_states, img_beliefs, img_actions):
+        """Every loss after the two recurrences, on whole tensors; returns (total, metrics).
+
+        `targets`: the batch's observations, rewards and flags [B, T, ...] by name. The posterior's states,
+        beliefs and logits come time-major, [T, B, ...], and every loss that takes their gradient runs in
+        that order (its targets transposed, its means unchanged): their gradients are then time-major too,
+        so each scan step's share is a contiguous [B, ...] block, which the step's compiled backward takes
+        as it is (a strided one it would first copy, at every step). Imagination: states 0..H [N, H + 1, ...]
+        from every posterior state, rows in (b, t) order, and actions 0..H-1."""
+        losses, reward_logits, reward_target = self._model(targets, states, beliefs, post_logits)
+        behaviour, lambda_target, metrics = self._behaviour(img_states, img_beliefs, img_actions)
+        losses.update(behaviour)
+        replay_value = self._replay_value(targets, states, beliefs, lambda_target)
+        losses["loss_replay_value"] = self.settings.replay_value * replay_value
+        total = sum(losses.values())
+        metrics = {
+            **losses,
+            **metrics,
+            "replay_value": replay_value.detach(),
+            # The model's rewards beside the real ones: on the replayed posterior (observations seen) and per
+            # step of imagination (the actor's own actions, in `metrics`); imagined returns far above what the
+            # real rewards can sustain show the actor exploiting the model (LEARNING.md).
+            "reward_seen": self.reward_twohot.mean(reward_logits.detach().float()).mean(),
+            "reward_real": reward_target.float().mean(),
+        }
+        return total, metrics
+
+    def _model(self, targets, states, beliefs, post_logits):
+        """The world model's losses (KL, reconstruction, reward, continue) on the time-major posterior;
+        also the reward head's logits and targets, for the metrics."""
+        nets, settings = self.nets, self.settings
+        length, batch = beliefs.shape[:2]
+        prior_logits = nets.prior.rnn_to_prior_projector(beliefs)
+        prior_logits = prior_logits.view(*prior_logits.shape[:-1], self.size.stoch, self.size.classes)
+        dynamic, representation = categorical_kl_terms(post_logits, prior_logits, free_nats=settings.free_nats,
+                                                       unimix=self.size.unimix)
+        reco = 0.0
+        if nets.vector_decoder is not None:
+            target = torch.cat([_time_major(targets[k]).float() for k in self.layout.vector_keys], -1)
+            error = symlog(target) - symlog(nets.vector_decoder(states, beliefs))
+            reco = reco + squared_error_loss(error, length, batch)
+        if nets.image_decoder is not None:
+            error = _time_major(targets[IMAGE_KEY]).float() / 255.0 - nets.image_decoder(states, beliefs)
+            reco = reco + squared_error_loss(error, length, batch)
+        reward_logits, reward_target = nets.reward_head(states, beliefs), _time_major(targets["reward"])
+        reward_loss = self.reward_twohot.loss(reward_logits, reward_target).mean()
+        continued = continue_loss(nets.continue_head(states, beliefs), _time_major(targets["terminated"]))
+        losses = {  # reconstruction, reward and continue weigh 1
+            "loss_model_reco": reco,
+            "loss_model_reward": reward_loss,
+            "loss_model_dynamic": settings.kl_dynamic * dynamic,
+            "loss_model_representation": settings.kl_representation * representation,
+            "loss_model_continue": continued,
+        }
+        return losses, reward_logits, reward_target
+
+    def _behaviour(self, img_states, img_beliefs, img_actions):
+        """The actor's and the critic's losses on imagined states 0..H (actions 0..H-1); also the λ-returns
+        [N, H, 1] (the replay value's bootstrap) and the metrics of imagination."""
+        nets, settings = self.nets, self.settings
+        with torch.no_grad():  # targets: no gradient
+            next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
+            reward = self.reward_twohot.mean(nets.reward_head(next_s, next_b)).unsqueeze(-1)
+            value_logits_all = self._critic(img_states, img_beliefs)
+            next_value = self.value_twohot.mean(value_logits_all[:, 1:]).unsqueeze(-1)
+            continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
+            continuation = continuation_all[:, 1:]
+            lambda_target = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
+            weight = imagination_weights(continuation_all, self.gamma)
+            scale = self.return_norm.update(lambda_target)  # EMA of the 5th / 95th percentiles
+            baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
+            advantage = (lambda_target - baseline) / scale
+
+        root_s, root_b = img_states[:, :-1], img_beliefs[:, :-1]
+        if self.layout.discrete:
+            log_prob, entropy = discrete_log_prob_entropy(nets.actor_net(root_s, root_b), img_actions)
+        else:
+            log_prob, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions)
+        actor, entropy = actor_loss(log_prob, entropy, advantage, weight, settings.entropy)
+
+        value_logits = self._critic(root_s, root_b)
+        with torch.no_grad():
+            slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
+        critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
+                                        weight.squeeze(-1), settings.slow_critic)
+        metrics = {
+            "actor_entropy": entropy.detach(),
+            "return_low": self.return_norm.low.squeeze(-1).clone(),
+            "return_high": self.return_norm.high.squeeze(-1).clone(),
+            "return_scale": scale.detach(),
+            "continuation_mean": continuation.mean(),
+            "value_slow_loss": slow_loss.detach(),
+            "reward_imagined": reward.mean(),
+        }
+        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
+
+    def _replay_value(self, targets, states, beliefs, lambda_target):
+        """The critic on the replayed sequence (time-major; it trains the representation too), toward
+        λ-returns bootstrapped from each posterior's imagined return, regularized toward the slow critic."""
+        settings = self.settings
+        length, batch = beliefs.shape[:2]
+        with torch.no_grad():
+            bootstrap = lambda_target[:, 0, 0].reshape(batch, length).unsqueeze(-1)  # [B, T, 1]: rows in (b, t) order
+            done = targets["done"]
+            target = _time_major(replay_value_targets(
+                targets["reward"], bootstrap, done, targets["terminated"],
+                gamma=1 - 1 / settings.horizon, lmbda=settings.lmbda))  # [T-1, B]
+            weight = _time_major(~done[:, :-1].squeeze(-1)).float()
+            slow = self.value_twohot.mean(self._critic(states, beliefs, slow=True))[:-1]
+        loss, _ = critic_loss(self.value_twohot, self._critic(states, beliefs)[:-1], target, slow, weight,
+                              settings.slow_critic)
+        return loss

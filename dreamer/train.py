@@ -158,8 +158,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     layout = EnvLayout.from_specs(eval_env.observation_spec, eval_env.action_spec)
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     with torch.device(device):  # every parameter and buffer is created where it is used
-        agent = build_agent(layout, settings.size, settings.loss)
-    learner = Learner(agent, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
+        agent = build_agent(layout, settings.size)
+    learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
                       progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))

@@ -103,8 +103,8 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     with torch.device(device):
-        agent = build_agent(layout, size, loss)
-    learner = Learner(agent, optimizer, device, False, False, device.type == "cuda")
+        agent = build_agent(layout, size)
+    learner = Learner(agent, loss, optimizer, device, False, False, device.type == "cuda")
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(learner.state_dict()))
     _emit({"what": "setup", "records": args.records, "streams": args.streams, "model": args.model,
            "bytes_per_record": per_record, "replay_gb": per_record * args.records / 1e9,

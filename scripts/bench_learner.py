@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import Bounded, Composite, OneHot, Unbounded  # noqa: E402
 
-from dreamer.agent import EnvLayout, ModelSize, build_agent  # noqa: E402
+from dreamer.agent import EnvLayout, ModelSize, build_agent, torchrl_loss  # noqa: E402
 from dreamer.config import reference_settings  # noqa: E402
 from dreamer.learner import Learner  # noqa: E402
 
@@ -141,15 +141,16 @@ def run_single(args) -> dict:
     torch.manual_seed(0)
     layout = _layout(args.obs, args.obs_dim, args.actions)
     size = _size(args.model)
+    _, loss_settings, optimizer_settings = reference_settings(args.model)
     with torch.device(device):
-        agent = build_agent(layout, size, reference_settings(args.model)[1])
+        agent = build_agent(layout, size)
     batch = _batch(layout, size, args.batch, args.length, device)
     result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
               "length": args.length, "cudnn_benchmark": args.cudnn_benchmark, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
     if args.single.startswith("ours"):
         compile = cuda and args.single in ("ours", "ours_cl")
-        learner = Learner(agent, reference_settings(args.model)[2], device, compile=compile, cudagraph=cuda, bf16=cuda,
+        learner = Learner(agent, loss_settings, optimizer_settings, device, compile=compile, cudagraph=cuda, bf16=cuda,
                           channels_last=args.single == "ours_cl",
                           progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
         if args.flops:
@@ -167,15 +168,17 @@ def run_single(args) -> dict:
         from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
         from torchrl.modules.models.model_based import RSSMRolloutV3
 
-        settings = reference_settings(args.model)[2]
-        optimizer = DreamerV3Optimizer(agent.loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
+        settings = optimizer_settings
+        with torch.device(device):
+            loss, slow_critic = torchrl_loss(agent, loss_settings)
+        optimizer = DreamerV3Optimizer(loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
                                        warmup_steps=settings.warmup)
         if args.single == "torchrl_scan":
-            for module in agent.loss.modules():
+            for module in loss.modules():
                 if isinstance(module, RSSMRolloutV3):
                     module.compile_rollout("scan", unroll=8)
         stepper = DreamerV3OptimizationStepper(
-            agent.loss, optimizer, agent.slow_critic, compile_train_step=args.single == "torchrl_step",
+            loss, optimizer, slow_critic, compile_train_step=args.single == "torchrl_step",
             cudagraph=cuda and args.single != "torchrl_eager", mixed_precision=cuda)
         start = time.perf_counter()
         if args.single != "torchrl_eager":

@@ -66,11 +66,22 @@ def discounted_returns(rewards: torch.Tensor, gamma: float) -> tuple[torch.Tenso
     return real, real + gamma ** after * rate / (1 - gamma)
 
 
+def return_scale(learner: dict) -> float:
+    """The actor's advantage scale when the checkpoint was written, max(1, high - low) of the return
+    normalizer's percentiles (learner state format 2, or format 1's torchrl loss buffers)."""
+    if "return_norm" in learner:
+        low, high = learner["return_norm"]["low"], learner["return_norm"]["high"]
+    else:
+        loss = learner["loss"]
+        low, high = (next(v for k, v in loss.items() if k.endswith(f"retnorm.{end}")) for end in ("low", "high"))
+    return max(1.0, float((high - low).reshape(-1)[0]))
+
+
 @torch.no_grad()
-def analyse(agent, records: list, horizon: int, gamma: float, stride: int = 25) -> dict:
+def analyse(agent, two_hot: str, records: list, horizon: int, gamma: float, stride: int = 25) -> dict:
     """The checks on one episode's records (record t: the carry before o[t], a[t-1], and o[t], r[t])."""
     networks = agent.networks
-    heads = TwoHot(_default_bins(agent.size.bins), agent.settings.two_hot)  # as the run's learner read them
+    heads = TwoHot(_default_bins(agent.size.bins), two_hot)  # as the run's learner read them
     states, beliefs = posterior(networks, records)
     rewards = torch.stack([r.get(("next", "reward")).reshape(()) for r in records]).float()
     actions = torch.stack([r.get("action") for r in records]).float()  # actions[t] = a[t-1]
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # one record at a time: more threads only contend (as in dreamer.evaluate)
-    agent.loss.eval()
+    agent.networks.trained.eval()
     gamma = 1 - 1 / float(cfg.loss.horizon)
     collector = Collector([env], lambda i: make_env(cfg.env, cfg.seed + SEED), agent.policy, layout,
                           settings.size, "cpu", explore=True, suite=cfg.env.suite)
@@ -166,10 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             episodes.append(current)
             current = []
     collector.close()
-    results = [analyse(agent, records, args.horizon, gamma) for records in episodes]
-    retnorm = agent.loss.actor_loss.retnorm
+    results = [analyse(agent, settings.loss.two_hot, records, args.horizon, gamma) for records in episodes]
     summary = {"checkpoint": str(path), "env_steps": state["step"], "episodes": results,
-               "return_scale": float(retnorm.scale().reshape(-1)[0])}
+               "return_scale": return_scale(state["learner"])}
     out = args.out or args.run_dir / f"diagnosis-{state['step']:012d}.json"
     out.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -82,9 +82,9 @@ def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int) -> Tenso
 def test_one_update_has_finite_losses_and_changes_parameters(layout):
     torch.manual_seed(0)
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
-    agent = build_agent(layout, size, _loss(imag_length=4))
-    learner = Learner(agent, _optimizer(lr=1e-3, warmup=0), "cpu")
-    before = [p.detach().clone() for p in agent.loss.parameters()]
+    agent = build_agent(layout, size)
+    learner = Learner(agent, _loss(imag_length=4), _optimizer(lr=1e-3, warmup=0), "cpu")
+    before = [p.detach().clone() for p in learner.params]
     # Reward and value heads start with zero output weights (outscale 0): their hidden layers get a
     # gradient from the second update on.
     learner.update(_batch(layout, size, 3, 6))
@@ -94,7 +94,7 @@ def test_one_update_has_finite_losses_and_changes_parameters(layout):
     assert {"train/loss_model_reco", "train/loss_model_reward", "train/loss_model_dynamic", "train/loss_actor",
             "train/loss_value", "train/loss_replay_value", "train/loss_model_continue"} <= set(losses)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    changed = [not torch.equal(a, b.detach()) for a, b in zip(before, agent.loss.parameters())]
+    changed = [not torch.equal(a, b.detach()) for a, b in zip(before, learner.params)]
     assert all(changed)
     assert state.shape[:2] == belief.shape[:2] == torch.Size([3, 6]) and not state.requires_grad
     # Categorical latents: each of the `stoch` groups is one-hot.
@@ -104,7 +104,7 @@ def test_one_update_has_finite_losses_and_changes_parameters(layout):
 def test_acting_policy_resets_the_carry_on_is_init():
     torch.manual_seed(0)
     size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
-    agent = build_agent(VECTOR, size, _loss())
+    agent = build_agent(VECTOR, size)
     record = TensorDict({"state": torch.randn(2, size.latent), "belief": torch.randn(2, size.deter),
                          "action": torch.tensor([[1.0, 0.0], [0.0, 1.0]]), "is_init": torch.tensor([[True], [True]]),
                          "next": {"observation": torch.ones(2, 4)}}, [2])
@@ -112,3 +112,16 @@ def test_acting_policy_resets_the_carry_on_is_init():
     # Both rows are resets with the same observation: their beliefs no longer depend on the old carry.
     assert torch.allclose(out.get("belief")[0], out.get("belief")[1])
     assert out.get("action").shape == (2, 2) and torch.all(out.get("action").sum(-1) == 1)
+
+
+@pytest.mark.parametrize("layout", [VECTOR, IMAGE], ids=["vector", "image"])
+def test_the_trained_networks_hold_every_parameter_of_the_agent_once(layout):
+    """`Networks.trained` is what the learner optimizes and checkpoints: the world model's, the actor's and
+    the critic's parameters, each once, nothing else (the torchrl modules share them)."""
+    size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    nets = build_agent(layout, size).networks
+    modules = torch.nn.ModuleList([nets.world_model, nets.actor, nets.critic, nets.policy])
+    trained = list(nets.trained.parameters())
+    assert len({id(p) for p in trained}) == len(trained)
+    assert {id(p) for p in trained} == {id(p) for p in modules.parameters()}
+    assert nets.parameter_count() == sum(p.numel() for p in modules.parameters())

@@ -12,7 +12,7 @@ from torchrl.envs.transforms import Transform
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError, Collector
 from dreamer.envs import make_env
-from tests.test_agent import _loss, _size
+from tests.test_agent import _size
 
 CARTPOLE = OmegaConf.create({"suite": "gym", "task": "CartPole-v1", "max_episode_steps": 500})
 
@@ -49,7 +49,7 @@ def _collector(factory) -> tuple[Collector, list]:
     envs = [rebuild(0)]
     layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
     size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
-    agent = build_agent(layout, size, _loss())
+    agent = build_agent(layout, size)
     return Collector(envs, rebuild, agent.policy, layout, size, "cpu", suite="gym"), built
 
 
@@ -119,7 +119,7 @@ def test_several_envs_each_play_their_share_of_an_evaluation_whatever_its_episod
     envs = [build(0), build(1)]
     layout = EnvLayout.from_specs(envs[0].observation_spec, envs[0].action_spec)
     size = _size("size1m", deter=32, hidden=16, classes=4, stoch=4, units=16, blocks=4)
-    agent = build_agent(layout, size, _loss())
+    agent = build_agent(layout, size)
     collector = Collector(envs, build, agent.policy, layout, size, "cpu", explore=False, suite="gym")
     finished = collector.run_episodes(4)
     assert sorted(e.env for e in finished) == [0, 0, 1, 1]

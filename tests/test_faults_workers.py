@@ -30,7 +30,7 @@ from dreamer.envs import make_env
 from dreamer.inference import Inference
 from dreamer.reaper import semaphore_prefix
 from dreamer.replay import Replay
-from tests.test_agent import _loss, _size
+from tests.test_agent import _size
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.faults
@@ -48,7 +48,7 @@ def _agent():
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     env.close()
     torch.manual_seed(0)
-    return layout, build_agent(layout, SIZE, _loss())
+    return layout, build_agent(layout, SIZE)
 
 
 def _stat(pid: int) -> list[str] | None:

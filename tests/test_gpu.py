@@ -26,16 +26,16 @@ def test_learner_update_on_cuda(cudagraph):
     device = torch.device("cuda:0")
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
     with torch.device(device):
-        agent = build_agent(VECTOR, size, _loss(imag_length=4))
-    learner = Learner(agent, _optimizer(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
+        agent = build_agent(VECTOR, size)
+    learner = Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
     batch = _batch(VECTOR, size, 4, 8).to(device)
     learner.warmup(batch)
-    before = [p.detach().clone() for p in agent.loss.parameters()]
+    before = [p.detach().clone() for p in learner.params]
     for _ in range(3):
         state, _ = learner.update(_batch(VECTOR, size, 4, 8).to(device))
     metrics = learner.drain()
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    assert sum(not torch.equal(a, b) for a, b in zip(before, agent.loss.parameters())) > 0
+    assert sum(not torch.equal(a, b) for a, b in zip(before, learner.params)) > 0
     assert state.device.type == "cuda"
 
 
@@ -47,8 +47,8 @@ def _twins(compile: bool):
     for captured in (False, True):
         torch.manual_seed(0)
         with torch.device(device):
-            agent = build_agent(VECTOR, size, _loss(imag_length=4))
-        learners.append(Learner(agent, _optimizer(warmup=0), device, compile=compile and captured,
+            agent = build_agent(VECTOR, size)
+        learners.append(Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=compile and captured,
                                 cudagraph=captured, bf16=False))
     batches = [_batch(VECTOR, size, 4, 8).to(device) for _ in range(6)]
     return learners, batches

@@ -8,12 +8,14 @@ sums (projections taken out of the scan), so agreement is to float32 rounding, n
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+
 import pytest
 import torch
 from torchrl.data import Bounded, Composite, Unbounded
 from torchrl.trainers.algorithms import DreamerV3OptimizationStepper, DreamerV3Optimizer
 
-from dreamer.agent import EnvLayout, build_agent
+from dreamer.agent import EnvLayout, build_agent, torchrl_loss
 from dreamer.learner import Learner
 from dreamer.losses import TwoHot
 from dreamer.optim import LaProp
@@ -23,10 +25,13 @@ CONTINUOUS = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-
 LAYOUTS = {"vector": VECTOR, "image": IMAGE, "continuous": CONTINUOUS}
 
 
-def _setup(layout, seed=0, two_hot="symexp"):
+SETTINGS = _loss(imag_length=4)  # the loss settings of every learner here
+
+
+def _setup(layout, seed=0):
     torch.manual_seed(seed)
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
-    agent = build_agent(layout, size, _loss(imag_length=4, two_hot=two_hot))
+    agent = build_agent(layout, size)
     batch = _batch(layout, size, 3, 6)
     batch["belief"] = torch.randn_like(batch["belief"])  # a carried-over start state, reset where is_init
     batch["state"] = torch.nn.functional.one_hot(torch.randint(0, 4, (3, 6, 4)), 4).flatten(-2).float()
@@ -46,14 +51,12 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, tol: float = 2e-5) -> bool:
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_losses_and_gradients_equal_torchrl(name):
     agent, batch = _setup(LAYOUTS[name])
-    learner = Learner(agent, _optimizer(), "cpu")
-    retnorm = agent.loss.actor_loss.retnorm
-    saved = retnorm.low.clone(), retnorm.high.clone()
+    learner = Learner(agent, SETTINGS, _optimizer(), "cpu")
+    oracle, _ = torchrl_loss(agent, SETTINGS)  # on the same parameters; its own slow critic and return norm
     torch.manual_seed(1)
-    reference = agent.loss(batch.clone())
+    reference = oracle(batch.clone())
     ref_total = sum(v for k, v in reference.items() if k.startswith("loss_"))
     ref_grads = torch.autograd.grad(ref_total, learner.params, allow_unused=True)
-    retnorm.low.copy_(saved[0]), retnorm.high.copy_(saved[1])
 
     torch.manual_seed(1)
     total, metrics, states, beliefs, scan = learner._losses(learner._inputs(batch.clone()))
@@ -66,7 +69,14 @@ def test_losses_and_gradients_equal_torchrl(name):
         assert _close(torch.as_tensor(value).detach(), reference[key].detach()), key
     assert torch.equal(states, reference["replay_context", "state"])
     assert _close(beliefs, reference["replay_context", "belief"])
-    names = [n for n, p in agent.loss.named_parameters() if p.requires_grad]
+    # The same state after the update's losses: the return normalizer moved alike, the slow critics alike.
+    retnorm = oracle.actor_loss.retnorm
+    assert torch.equal(learner.losses.return_norm.low, retnorm.low)
+    assert torch.equal(learner.losses.return_norm.high, retnorm.high)
+    slow = oracle.value_loss.target_value_model_params.flatten_keys(".")
+    assert all(torch.equal(p, slow["module.0.module." + n]) for n, p in learner.losses.slow_params.items())
+    names = [n for n, _ in agent.networks.trained.named_parameters()]  # learner.params, in this order
+    assert {id(p) for p in learner.params} == {id(p) for p in oracle.parameters() if p.requires_grad}
     for param_name, ours, theirs in zip(names, grads, ref_grads):
         assert (ours is None) == (theirs is None), param_name
         if ours is not None:
@@ -87,26 +97,27 @@ def test_updates_equal_torchrl_stepper():
     actor weights). The optimizer alone is compared over more steps below, on identical gradients.
     """
     agent, batch = _setup(VECTOR)
-    twin, _ = _setup(VECTOR)  # same seed, same weights (a deep copy would leave torchrl's SoftUpdate behind)
+    twin, _ = _setup(VECTOR)  # same seed, same weights
     settings = _optimizer(lr=1e-3, warmup=2)
-    learner = Learner(agent, settings, "cpu")
-    optimizer = DreamerV3Optimizer(twin.loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
+    learner = Learner(agent, SETTINGS, settings, "cpu")
+    loss, slow_critic = torchrl_loss(twin, SETTINGS)
+    optimizer = DreamerV3Optimizer(loss.parameters(), lr=settings.lr, agc=settings.agc, eps=settings.eps,
                                    warmup_steps=settings.warmup)
-    stepper = DreamerV3OptimizationStepper(twin.loss, optimizer, twin.slow_critic, compile_train_step=False,
-                                           cudagraph=False)
+    stepper = DreamerV3OptimizationStepper(loss, optimizer, slow_critic, compile_train_step=False, cudagraph=False)
     for step in range(2):
         torch.manual_seed(10 + step)
         learner.update(batch.clone())
         torch.manual_seed(10 + step)
         stepper.step(None, batch.clone())
-    ours = dict(agent.loss.named_parameters())
-    bad = [name for name, theirs in twin.loss.named_parameters() if not _close(ours[name].detach(), theirs.detach(), 1e-4)]
+    ours = dict(agent.networks.trained.named_parameters())
+    bad = [name for name, theirs in twin.networks.trained.named_parameters()
+           if not _close(ours[name].detach(), theirs.detach(), 1e-4)]
     assert not bad, bad
-    slow = agent.loss.value_loss.target_value_model_params.flatten_keys(".")
-    twin_slow = twin.loss.value_loss.target_value_model_params.flatten_keys(".")
-    for key in slow.keys():
-        assert _close(slow[key], twin_slow[key], 1e-4), key
-    assert slow["module.0.module.mlp.model.9.weight"].abs().max() > 0  # the slow critic's head started at zero
+    slow = learner.losses.slow_params
+    twin_slow = loss.value_loss.target_value_model_params.flatten_keys(".")
+    for name in slow:
+        assert _close(slow[name], twin_slow["module.0.module." + name], 1e-4), name
+    assert slow["mlp.model.9.weight"].abs().max() > 0  # the slow critic's head started at zero
     metrics = learner.drain()
     assert metrics["train/grad_norm"] > 0 and learner.drain() == {}
 
@@ -114,7 +125,7 @@ def test_updates_equal_torchrl_stepper():
 def test_warmup_leaves_no_trace():
     """Compiling on CPU runs real steps; the warm-up restores weights, optimizer and random state."""
     agent, batch = _setup(VECTOR)
-    learner = Learner(agent, _optimizer(lr=1e-3, warmup=0), "cpu", compile=False, cudagraph=False)
+    learner = Learner(agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=False, cudagraph=False)
     learner.needs_warmup = True  # force the warm-up path without compiling (compile is for CUDA)
     before = [p.detach().clone() for p in learner.params]
     rng = torch.get_rng_state()
@@ -125,7 +136,7 @@ def test_warmup_leaves_no_trace():
 
 def test_busy_seconds_count_each_update_once():
     agent, batch = _setup(VECTOR)
-    learner = Learner(agent, _optimizer(warmup=0), "cpu")
+    learner = Learner(agent, SETTINGS, _optimizer(warmup=0), "cpu")
     assert learner.busy_seconds() == 0.0
     learner.update(batch.clone())
     learner.update(batch.clone())
@@ -153,15 +164,51 @@ def test_optimizer_equals_torchrl_on_the_same_gradients():
     assert not torch.allclose(params[0], twins[0] + 1e-3)
 
 
-def test_an_older_checkpoint_is_refused_in_one_line():
+def test_a_state_from_an_older_learner_or_a_newer_format_is_refused_in_one_line():
     agent, _ = _setup(VECTOR)
-    learner = Learner(agent, _optimizer(), "cpu")
+    learner = Learner(agent, SETTINGS, _optimizer(), "cpu")
     with pytest.raises(ValueError, match="older learner"):
-        learner.load_state_dict({"loss": agent.loss.state_dict(), "stepper": {}, "updates": 3})
+        learner.load_state_dict({"loss": torchrl_loss(agent, SETTINGS)[0].state_dict(), "stepper": {}, "updates": 3})
     state = copy.deepcopy(learner.state_dict())  # a saved checkpoint holds copies
+    with pytest.raises(ValueError, match="format 3, not one this dreamer reads"):
+        learner.load_state_dict({**state, "format": 3})
     learner.optimizer.step_count += 5
     learner.load_state_dict(state)
     assert float(learner.optimizer.step_count) == 0
+
+
+FORMAT_1 = Path(__file__).parent / "data" / "learner-format1.pt"
+
+
+def test_a_state_of_the_first_format_loads_as_the_same_learner():
+    """tests/data/learner-format1.pt is the `state_dict()` of the learner before it owned its losses (commit
+    9980748: torchrl's DreamerV3Loss state dict, the optimizer's moments in that module's parameter order),
+    after three updates of `_setup(VECTOR)`'s learner with SETTINGS, `_optimizer(lr=1e-3, warmup=0)` and
+    seeds 10, 11 and 12. Loaded into a learner of other weights, it is the state of today's learner after the same three
+    updates: weights, slow critic, return normalizer, and each parameter's optimizer moments."""
+    agent, batch = _setup(VECTOR)
+    learner = Learner(agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        learner.update(batch.clone())
+    other, _ = _setup(VECTOR, seed=1)
+    loaded = Learner(other, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    loaded.load_state_dict(torch.load(FORMAT_1, weights_only=True))
+    expected, got = learner.state_dict(), loaded.state_dict()
+    assert got["format"] == 2 and got["updates"] == 3 and float(got["optimizer"]["step"]) == 3
+    for part in ("networks", "slow_critic"):
+        assert expected[part].keys() == got[part].keys()
+        for name, value in expected[part].items():
+            assert _close(got[part][name], value, 1e-4), (part, name)
+    for end in ("low", "high"):  # tiny after three updates of heads that start at zero output: relative
+        value = expected["return_norm"][end]
+        assert value.abs().max() > 0 and torch.allclose(got["return_norm"][end], value, rtol=1e-3, atol=0), end
+    for moments in ("rms", "momentum"):  # aligned with learner.params, whatever order torchrl's module had
+        for param, ours, theirs in zip(loaded.params, expected["optimizer"][moments], got["optimizer"][moments]):
+            assert ours.shape == theirs.shape == param.shape and _close(theirs, ours, 1e-3), moments
+    # The check can fail: the learner before the three updates is not what the file holds.
+    fresh = Learner(_setup(VECTOR)[0], SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu").state_dict()
+    assert not all(_close(fresh["networks"][n], v, 1e-4) for n, v in got["networks"].items())
 
 
 def _same_two_updates(ours: Learner, reference: Learner, batch, seed: int) -> None:
@@ -180,8 +227,8 @@ def _same_two_updates(ours: Learner, reference: Learner, batch, seed: int) -> No
 def test_compiled_step_follows_the_eager_updates_on_cpu():
     """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result."""
     (eager_agent, batch), (compiled_agent, _) = _setup(VECTOR), _setup(VECTOR)
-    eager = Learner(eager_agent, _optimizer(lr=1e-3, warmup=0), "cpu")
-    compiled = Learner(compiled_agent, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True)
+    eager = Learner(eager_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    compiled = Learner(compiled_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True)
     assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._cell, compiled._tail))
     _same_two_updates(compiled, eager, batch, seed=20)
 
@@ -204,8 +251,8 @@ def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
 
 def test_channels_last_cnns_change_no_result():
     (plain_agent, batch), (nhwc_agent, _) = _setup(IMAGE), _setup(IMAGE)
-    plain = Learner(plain_agent, _optimizer(lr=1e-3, warmup=0), "cpu")
-    nhwc = Learner(nhwc_agent, _optimizer(lr=1e-3, warmup=0), "cpu", channels_last=True)
+    plain = Learner(plain_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    nhwc = Learner(nhwc_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", channels_last=True)
     convs = [m.weight for m in nhwc_agent.networks.encoder.cnn.modules() if isinstance(m, torch.nn.Conv2d)]
     assert convs and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                          for w in convs)
@@ -232,9 +279,9 @@ def test_the_acting_policy_carries_the_learners_posterior(monkeypatch):
     torch.manual_seed(0)
     agent, _ = _setup(CONTINUOUS)
     with torch.no_grad():  # weights far from their initialization, so that every input matters
-        for parameter in agent.loss.parameters():
+        for parameter in agent.networks.trained.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
-    learner = Learner(agent, _optimizer(), "cpu")
+    learner = Learner(agent, SETTINGS, _optimizer(), "cpu")
     size, steps = agent.size, 12
     observations, actions = 3 * torch.randn(steps, 5), 3 * torch.rand(steps, 3) - 1.5
     state, belief, previous = torch.zeros(1, size.latent), torch.zeros(1, size.deter), torch.zeros(1, 3)
@@ -295,9 +342,9 @@ def test_the_symlog_two_hot_reads_and_trains_in_symlog_space_and_the_symexp_one_
 
 def test_the_learner_uses_the_two_hot_setting():
     def losses(two_hot):
-        agent, batch = _setup(CONTINUOUS, two_hot=two_hot)
-        learner = Learner(agent, _optimizer(), "cpu")
-        assert learner.reward_twohot.mode == learner.value_twohot.mode == two_hot
+        agent, batch = _setup(CONTINUOUS)
+        learner = Learner(agent, _loss(imag_length=4, two_hot=two_hot), _optimizer(), "cpu")
+        assert learner.losses.reward_twohot.mode == learner.losses.value_twohot.mode == two_hot
         torch.manual_seed(2)  # the reward head starts at zero output (every target costs log 255): move it
         with torch.no_grad():
             for param in agent.networks.reward_head.parameters():
@@ -312,3 +359,16 @@ def test_the_learner_uses_the_two_hot_setting():
     assert metrics["reward_imagined"].isfinite()
     # Same weights, same batch: the rewards (randn x 3) land on other bins in symlog space.
     assert not _close(metrics["loss_model_reward"].detach(), raw_metrics["loss_model_reward"].detach())
+
+
+def test_evaluation_reads_the_weights_of_both_formats():
+    from dreamer.evaluate import load_weights
+
+    first = torch.load(FORMAT_1, weights_only=True)
+    learner = Learner(_setup(VECTOR, seed=1)[0], SETTINGS, _optimizer(), "cpu")
+    learner.load_state_dict(copy.deepcopy(first))
+    for state in (first, learner.state_dict()):
+        agent, _ = _setup(VECTOR, seed=2)
+        load_weights(agent, SETTINGS, {"learner": state}, FORMAT_1, Path("config.yaml"))
+        for name, value in learner.nets.trained.state_dict().items():
+            assert torch.equal(agent.networks.trained.state_dict()[name], value), name

@@ -30,7 +30,7 @@ from dreamer.config import CONFIG_DIR, compose_config
 from dreamer.envs import make_env
 from dreamer.inference import Inference, request_spec
 from dreamer.replay import Replay
-from tests.test_agent import _loss, _size
+from tests.test_agent import _size
 from tests.conftest import ROOT, run_train
 
 SIZE = _size("size1m", deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
@@ -42,7 +42,7 @@ def _agent():
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     env.close()
     torch.manual_seed(0)
-    return layout, build_agent(layout, SIZE, _loss())
+    return layout, build_agent(layout, SIZE)
 
 
 def _request(layout: EnvLayout, seed: int) -> TensorDict:
@@ -347,7 +347,7 @@ def test_a_hung_worker_is_killed_and_restarted():
     probe = make_env(OmegaConf.create({**env, "reset_latency": 0.0}), 0)
     layout = EnvLayout.from_specs(probe.observation_spec, probe.action_spec)
     probe.close()
-    agent = build_agent(layout, SIZE, _loss())
+    agent = build_agent(layout, SIZE)
     inference = Inference(agent.policy, layout, SIZE, clients=1, device=torch.device("cpu")).start()
     restarts = []
     pool = WorkerPool(env, 0, layout, SIZE, inference.clients, chunk=8, suite="emulated", max_restarts=2,

@@ -20,7 +20,7 @@ from dreamer.envs import make_env
 from dreamer.learner import Learner
 from dreamer.pipeline import InlineSource, Updates, WorkerSource
 from dreamer.replay import Replay
-from tests.test_agent import _loss, _size
+from tests.test_agent import _size
 
 SIZE = _size("size1m", deter=32, hidden=16, stoch=4, classes=4, depth=4, units=16, blocks=4)
 
@@ -106,10 +106,10 @@ def test_the_update_ratio_holds_through_the_inline_source():
     settings = validate(cfg)
     layout = _layout(cfg)
     torch.manual_seed(0)
-    agent = build_agent(layout, SIZE, _loss())
+    agent = build_agent(layout, SIZE)
     device = torch.device("cpu")
     replay = Replay(2, 4096, 4, 8, device, seed=0, context_dtype=torch.float32)
-    learner = Learner(agent, settings.optimizer, device, compile=False, cudagraph=False, bf16=False)
+    learner = Learner(agent, settings.loss, settings.optimizer, device, compile=False, cudagraph=False, bf16=False)
     source = InlineSource(cfg, agent.policy, layout, SIZE, device, False, replay)
     counters = {"env_steps": 0, "train_steps": 0, "episodes": 0, "owed_updates": 0}
     updates = Updates(learner, replay, DreamerV3UpdateRatio(settings.updates_per_step), source, counters, 0)

@@ -18,7 +18,6 @@ public modules), so nothing of tensordict is listed here.
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import inspect
 import multiprocessing
@@ -125,7 +124,14 @@ class World:
 
         torch.manual_seed(0)
         layout = EnvLayout.from_specs(Composite(observation=Unbounded(4)), OneHot(2))
-        return build_agent(layout, *self.settings)
+        return build_agent(layout, self.settings[0])
+
+    @functools.cached_property
+    @built("torchrl's losses on the tiny agent (dreamer.agent.torchrl_loss)")
+    def oracle(self):
+        from dreamer.agent import torchrl_loss
+
+        return torchrl_loss(self.agent, self.settings[1])[0]
 
     @functools.cached_property
     @built("a replay ensemble as dreamer.replay.Replay's")
@@ -532,57 +538,14 @@ def check_default_bins(world):
     from torchrl.modules.models.model_based import _default_bins
 
     bins = _default_bins(world.settings[0].bins)
-    reward_bins = world.agent.loss.model_loss.reward_bins
+    reward_bins = world.oracle.model_loss.reward_bins
     expect(bins.shape == reward_bins.shape and torch.allclose(bins, reward_bins.to(bins)),
            "is not the support of the model loss's reward head")
 
 
-def check_percentile_q(world):
-    retnorm = world.agent.loss.actor_loss.retnorm
-    q = retnorm._q
-    expect(isinstance(q, torch.Tensor) and q.tolist() == pytest.approx(list(retnorm.quantiles)),
-           f"is {q!r}, not the tensor of quantiles {retnorm.quantiles}")
-    expect(retnorm.low.shape == retnorm.high.shape == torch.Size([1]) and isinstance(retnorm.rate, float),
-           "low / high are not [1] buffers beside a float rate")
-    returns = torch.linspace(-3.0, 7.0, 40).reshape(4, 10, 1)
-    theirs, ours = copy.deepcopy(retnorm), copy.deepcopy(retnorm)
-    theirs.update(returns)
-    low, high = torch.quantile(returns.reshape(-1, 1), ours._q.to(returns), dim=0)  # dreamer.losses.return_scale
-    ours.low.lerp_(low, ours.rate)
-    ours.high.lerp_(high, ours.rate)
-    expect(torch.allclose(theirs.scale(), ours.scale()) and torch.allclose(theirs.low, ours.low),
-           "no longer moves low / high as lerp toward torch.quantile(returns, _q) at `rate`")
-
-
-def check_soft_update_eps(world):
-    agent = world.agent
-    eps = agent.slow_critic.eps
-    tau = world.settings[1].slow_critic_tau
-    expect(isinstance(eps, float) and eps == pytest.approx(1 - tau), f"is {eps!r}, not 1 - tau = {1 - tau}")
-    targets = agent.loss.value_loss.target_value_model_params.flatten_keys(".")
-    head = dict(agent.networks.critic_head.named_parameters())
-    saved = {name: p.detach().clone() for name, p in head.items()}
-    before = {name: targets["module.0.module." + name].clone() for name in head}
-    try:
-        with torch.no_grad():
-            for p in head.values():
-                p.add_(1.0)
-        agent.slow_critic.step()
-        for name, p in head.items():
-            moved = targets["module.0.module." + name]
-            expect(torch.allclose(moved, before[name].lerp(p.detach(), 1 - eps)),
-                   "SoftUpdate.step does not move the slow critic as lerp(target, critic, 1 - eps)")
-    finally:
-        with torch.no_grad():
-            for name, p in head.items():
-                p.copy_(saved[name])
-                targets["module.0.module." + name].copy_(before[name])
-
-
 def check_target_prefix(world):
-    agent = world.agent
-    targets = agent.loss.value_loss.target_value_model_params.flatten_keys(".")
-    head = dict(agent.networks.critic_head.named_parameters())
+    targets = world.oracle.value_loss.target_value_model_params.flatten_keys(".")
+    head = dict(world.agent.networks.critic_head.named_parameters())
     prefix = "module.0.module."
     found = {key[len(prefix):]: targets[key] for key in targets.keys() if key.startswith(prefix)}
     expect(set(found) == set(head), f"keys under {prefix!r} are {sorted(found)[:4]}..., not the critic head's "
@@ -749,14 +712,11 @@ ENTRIES = [
           "(logits, unimix, uniform) -> one-hot, what the RSSM modules sample with", check_straight_through),
     Entry(f"{MODEL_BASED}._unimix_probs", "tests/test_learner.py:test_the_acting_policy_carries_the_learners_posterior",
           "(logits, unimix) -> (1 - unimix) softmax + unimix / K", check_unimix_probs),
-    Entry(f"{MODEL_BASED}._default_bins", "scripts/diagnose_learning.py, tests/test_learner.py",
-          "the reward and value heads' bins", check_default_bins),
-    Entry("DreamerV3ActorLoss.retnorm._q (PercentileValueNorm)", "dreamer/losses.py:return_scale",
-          "a tensor of the 5th / 95th quantiles; low / high lerp toward them at rate", check_percentile_q),
-    Entry("SoftUpdate.eps", f"{L}:Learner.__init__", "float 1 - tau; step() = lerp(target, source, 1 - eps)",
-          check_soft_update_eps),
-    Entry("DreamerV3ValueLoss.target_value_model_params 'module.0.module.' prefix", f"{L}:Learner.__init__",
-          "the slow critic under the critic head's parameter names", check_target_prefix),
+    Entry(f"{MODEL_BASED}._default_bins", "dreamer/losses.py:Losses.__init__, scripts/diagnose_learning.py",
+          "the reward and value heads' bins, as torchrl's losses hold them", check_default_bins),
+    Entry("DreamerV3ValueLoss.target_value_model_params 'module.0.module.' prefix", f"{L}:Learner._from_format_1",
+          "the slow critic under the critic head's parameter names (the learner's first checkpoint format)",
+          check_target_prefix),
     Entry(f"{RSSM}.belief_projection[0..2], state_projection, action_projection", f"{S}:Scan.__init__, tap_specs, gru",
           "Sequential(Linear, RMS norm with eps and weight, SiLU)", check_gru_projections),
     Entry(f"{RSSM}.hidden_layers, gates, num_blocks", f"{S}:Scan.tap_specs, gru",
