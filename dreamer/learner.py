@@ -266,11 +266,6 @@ class Learner:
 
     # ---- the update ------------------------------------------------------------------------------
 
-    def _autocast(self):
-        if self.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One whole update on named input tensors; returns the posterior (state, belief) [B, T, ...]."""
         total, metrics, states, beliefs, scan = self._losses(inputs)
@@ -298,7 +293,7 @@ class Learner:
     def _losses(self, inputs: dict[str, torch.Tensor]):
         """The forward pass: (total loss, metrics, posterior states, posterior beliefs, (taps, records))."""
         batch, length = inputs["action"].shape[:2]
-        with self._autocast():
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             dtype = torch.bfloat16 if self.bf16 else torch.float32
             weights = self.scan.weights(dtype)
             # Everything that does not depend on the recurrence runs once on the whole batch.
@@ -366,9 +361,7 @@ class Learner:
         if not self.needs_warmup:
             return 0.0
         start = time.perf_counter()
-        state = [*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,
-                 *self.losses.state_tensors(), self._metrics.sums, self._metrics.count]
-        with _undone(state, self.device):
+        with self.undone():
             if self.compile:
                 for piece in (self._embed, self._cell, self._imagine, self._tail):
                     piece.enable()
@@ -396,6 +389,12 @@ class Learner:
             torch.cuda.synchronize(self.device)
         self.needs_warmup = False
         return time.perf_counter() - start
+
+    def undone(self):
+        """A context whose updates leave no trace: weights, optimizer, slow critic, return normalizer,
+        metric sums and torch's random generators are put back when it ends."""
+        return _undone([*self.params, *self.optimizer.rms, *self.optimizer.momentum, self.optimizer.step_count,
+                        *self.losses.state_tensors(), self._metrics.sums, self._metrics.count], self.device)
 
     def update(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
         """One update on batch [B, T]; returns the refreshed posterior, (state [B, T, latent], belief

@@ -126,11 +126,9 @@ def _flops(learner: Learner, batch) -> float:
     """FLOPs of one update (forward and backward; matmuls and convolutions), counted on an eager pass."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    saved = learner._snapshot()
-    with FlopCounterMode(display=False) as counter:
+    with learner.undone(), FlopCounterMode(display=False) as counter:
         total, _, _, _, scan = learner._losses(learner._inputs(batch))
         learner._gradients(total, scan)
-    learner._restore(saved)
     return float(counter.get_total_flops())
 
 
