@@ -3,9 +3,11 @@
 One `update(batch)` = world-model loss (RSSM scan over the sequence, KL, reconstruction, reward and
 continue heads), imagination from every posterior state, actor (REINFORCE + entropy) and critic losses,
 replay value loss, backward, the LaProp-order optimizer step with adaptive gradient clipping, and the
-soft update of the slow critic. The losses are those of torchrl's DreamerV3Loss, term for term and with
-the same random draws in the same order (tests/test_learner.py checks losses and gradients against it);
-the step is ours because torchrl's stepper leaves too much on the table on a GPU:
+soft update of the slow critic. The losses (`dreamer.losses.Losses`, which also holds the slow critic and
+the return normalizer) are those of torchrl's DreamerV3Loss, term for term and with the same random draws in
+the same order (tests/test_learner.py checks losses and gradients against it, built on the same parameters
+by `dreamer.agent.torchrl_loss`); the step is ours because torchrl's stepper leaves too much on the table
+on a GPU:
 
 - tensors only in the hot path (no TensorDict), so compiled regions trace in seconds, not minutes;
 - whatever does not depend on the recurrence leaves the scan: the action and observation projections run
@@ -16,7 +18,7 @@ the step is ours because torchrl's stepper leaves too much on the table on a GPU
   per weight over all B x T rows instead of T small ones and T - 1 accumulations;
 - the scan's outputs cost no eager work between two steps of its backward: each step hands the loss tail
   copies of its outputs (one consumer per output) and the tail works time-major, so each step's gradient
-  arrives as one contiguous block (see `dreamer.scan.Scan.cell_fn` and `_tail_fn`);
+  arrives as one contiguous block (see `dreamer.scan.Scan.cell_fn` and `dreamer.losses.Losses`);
 - the encoder stage, the RSSM cell, the imagination step and the loss tail are compiled separately
   (`torch.compile`, fixed shapes); the random draws stay outside them so compiled and eager agree; the
   optimizer's multi-tensor (foreach) ops run as they are;
@@ -319,7 +321,7 @@ class Learner:
                     state, belief, action_steps[t], embed_steps[t], reset_steps[t], uniforms[t, 1], weights,
                     [steps[t] for steps in tap_steps])
                 beliefs.append(belief_out), logits.append(logit), states.append(state_out), records.append(inputs_t)
-            # Time-major [T, B, ...]: the loss tail's gradients come back in this order (see _tail_fn).
+            # Time-major [T, B, ...]: the loss tail's gradients come back in this order (see Losses.__call__).
             beliefs, states, post_logits = torch.stack(beliefs), torch.stack(states), torch.stack(logits)
             records = [torch.stack(column) for column in zip(*records)]
 
