@@ -27,7 +27,8 @@ def test_learner_update_on_cuda(cudagraph):
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
     with torch.device(device):
         agent = build_agent(VECTOR, size)
-    learner = Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=False, cudagraph=cudagraph, bf16=True)
+    learner = Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=False, cudagraph=cudagraph,
+                      bf16=True)
     batch = _batch(VECTOR, size, 4, 8).to(device)
     learner.warmup(batch)
     before = [p.detach().clone() for p in learner.params]
@@ -119,11 +120,14 @@ def test_cuda_batches_through_the_pinned_staging_ring_are_the_sampled_records(pr
 def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs(process):
     """The served step is a CUDA graph on its own stream; the deterministic part (the belief) must match
     the learner's policy before and after a sync, and weights changed on the learner reach it only
-    through the event-gated sync."""
+    through the event-gated sync. The server in its own process multiplies in TF32 (dreamer.inference:
+    the acting policy's precision there), which moves a belief by a few 1e-4 from the float32 policy's: the
+    process case compares to TF32's rounding, far below what a missed sync (weights moved by 0.3 sigma) moves."""
     from tests.test_pipeline import SIZE, _agent, _request
 
     from dreamer.inference import Inference, RowPass
 
+    tol = {"rtol": 2e-3, "atol": 2e-3} if process else {"rtol": 1e-4, "atol": 1e-4}
     layout, agent = _agent()
     device = torch.device("cuda:0")
     agent.networks.policy.to(device)
@@ -140,12 +144,12 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
             return agent.policy(request.unsqueeze(0).to(device)).get(("policy", "belief"))[0].cpu()
 
         client = inference.clients[0]
-        torch.testing.assert_close(client(request).get(("policy", "belief")), direct_belief(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(client(request).get(("policy", "belief")), direct_belief(), **tol)
         with torch.no_grad():
             for parameter in agent.policy.parameters():
                 parameter.add_(0.3 * torch.randn_like(parameter))
         assert inference.sync() and inference.sync.wait(30) and inference.sync.applied == 1
-        torch.testing.assert_close(client(request).get(("policy", "belief")), direct_belief(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(client(request).get(("policy", "belief")), direct_belief(), **tol)
         action = client(request).get(("policy", "action"))
         assert action.sum() == 1 and ((action == 0) | (action == 1)).all()
         # All 9 at once, each its own request: whatever the passes' sizes, each answer is its own.
@@ -163,7 +167,7 @@ def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs
             thread.join(60)
         for i in range(9):
             expected = agent.policy(requests[i].unsqueeze(0).to(device)).get(("policy", "belief"))[0].cpu()
-            torch.testing.assert_close(answers[i], expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(answers[i], expected, **tol)
     finally:
         inference.close()
 
