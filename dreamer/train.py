@@ -159,8 +159,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size)
-    learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph, settings.bf16,
-                      progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
+    learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph,
+                      settings.bf16, progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True))
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     # run.eval_envs at once (no more than an evaluation's episodes), seeded apart from each other

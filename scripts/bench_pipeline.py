@@ -94,8 +94,8 @@ class Pipeline:
         torch.manual_seed(0)
         with torch.device(self.device):
             self.agent = build_agent(self.layout, self.size)
-        self.learner = Learner(self.agent, self.settings.loss, self.settings.optimizer, self.device, self.settings.compile,
-                               self.settings.cudagraph, self.settings.bf16)
+        self.learner = Learner(self.agent, self.settings.loss, self.settings.optimizer, self.device,
+                               self.settings.compile, self.settings.cudagraph, self.settings.bf16)
         self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device, prefetch=args.prefetch)
         self.steps = 0
         self.wait = 0.0  # the trainer thread's seconds waiting for records
