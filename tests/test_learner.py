@@ -184,15 +184,20 @@ def test_a_state_of_the_first_format_loads_as_the_same_learner():
     """tests/data/learner-format1.pt is the `state_dict()` of the learner before it owned its losses (commit
     9980748: torchrl's DreamerV3Loss state dict, the optimizer's moments in that module's parameter order),
     after three updates of `_setup(VECTOR)`'s learner with SETTINGS, `_optimizer(lr=1e-3, warmup=0)` and
-    seeds 10, 11 and 12. Loaded into a learner of other weights, it is the state of today's learner after the same three
-    updates: weights, slow critic, return normalizer, and each parameter's optimizer moments."""
+    seeds 10, 11 and 12. Loaded into a learner of other weights, it is the state of today's learner after the
+    same three updates: weights, slow critic, return normalizer, and each parameter's optimizer moments. The
+    loading learner's networks are listed in reverse order, so that its parameters' order differs from
+    torchrl's module's (which `Networks.trained` otherwise follows): the moments must follow their parameters."""
     agent, batch = _setup(VECTOR)
     learner = Learner(agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
     for step in range(3):
         torch.manual_seed(10 + step)
         learner.update(batch.clone())
     other, _ = _setup(VECTOR, seed=1)
+    other.networks.trained = torch.nn.ModuleDict(reversed(list(other.networks.trained.items())))
     loaded = Learner(other, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    names = {id(p): n for n, p in loaded.nets.trained.named_parameters()}
+    assert [names[id(p)] for p in loaded.params] != [n for n, _ in agent.networks.trained.named_parameters()]
     loaded.load_state_dict(torch.load(FORMAT_1, weights_only=True))
     expected, got = learner.state_dict(), loaded.state_dict()
     assert got["format"] == 2 and got["updates"] == 3 and float(got["optimizer"]["step"]) == 3
@@ -203,9 +208,11 @@ def test_a_state_of_the_first_format_loads_as_the_same_learner():
     for end in ("low", "high"):  # tiny after three updates of heads that start at zero output: relative
         value = expected["return_norm"][end]
         assert value.abs().max() > 0 and torch.allclose(got["return_norm"][end], value, rtol=1e-3, atol=0), end
-    for moments in ("rms", "momentum"):  # aligned with learner.params, whatever order torchrl's module had
-        for param, ours, theirs in zip(loaded.params, expected["optimizer"][moments], got["optimizer"][moments]):
-            assert ours.shape == theirs.shape == param.shape and _close(theirs, ours, 1e-3), moments
+    expected_names = [n for n, _ in agent.networks.trained.named_parameters()]
+    for moments in ("rms", "momentum"):  # each aligned with its learner's params
+        theirs = {names[id(p)]: m for p, m in zip(loaded.params, got["optimizer"][moments])}
+        for name, ours in zip(expected_names, expected["optimizer"][moments]):
+            assert ours.shape == theirs[name].shape and _close(theirs[name], ours, 1e-3), (moments, name)
     # The check can fail: the learner before the three updates is not what the file holds.
     fresh = Learner(_setup(VECTOR)[0], SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu").state_dict()
     assert not all(_close(fresh["networks"][n], v, 1e-4) for n, v in got["networks"].items())
