@@ -245,9 +245,6 @@ class Learner:
         self._cell = _Compiled(self.scan.cell_fn, self._report)
         self._imagine = _Compiled(self.scan.imagine_fn, self._report)
         self._tail = _Compiled(self.losses, self._report, name="losses")
-        # The optimizer stays eager, inside the graph all the same: each foreach op is a few multi-tensor
-        # kernels over every parameter, where inductor would emit kernels per parameter (and compile longer).
-        self._optimize = self._optimize_fn
         self.needs_warmup = compile or cudagraph
         self.updates = 0
         self._busy = _BusyTime(self.device)
@@ -259,14 +256,14 @@ class Learner:
     def _inputs(self, batch: TensorDictBase) -> dict[str, torch.Tensor]:
         return batch_inputs(batch, self.layout)
 
-    # ---- the compiled pieces -----------------------------------------------------------------------
+    # ---- the update ------------------------------------------------------------------------------
 
-    def _optimize_fn(self, grads):
+    def _optimize(self, grads):
+        # Eager, inside the graph all the same: each foreach op is a few multi-tensor kernels over every
+        # parameter, where inductor would emit kernels per parameter (and compile longer).
         grad_norm = self.optimizer.step(grads)
         self.losses.update_slow_critic()
         return grad_norm
-
-    # ---- the update ------------------------------------------------------------------------------
 
     def _step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One whole update on named input tensors; returns the posterior (state, belief) [B, T, ...]."""
@@ -445,6 +442,9 @@ class Learner:
                 raise ValueError("this checkpoint was written by an older learner (no 'optimizer' state); "
                                  "start a new run folder or pass run.resume=never")
             state = _from_format_1(self, state)
+        elif version is None:
+            raise ValueError("this checkpoint holds no learner state this dreamer knows (neither 'format' nor "
+                             "'loss'); start a new run folder or pass run.resume=never")
         elif version != self.FORMAT:
             raise ValueError(f"this checkpoint's learner state is format {version}, not one this dreamer reads "
                              f"(1 or {self.FORMAT}); resume it with the dreamer that wrote it, or start a new "

@@ -172,6 +172,8 @@ def test_a_state_from_an_older_learner_or_a_newer_format_is_refused_in_one_line(
     state = copy.deepcopy(learner.state_dict())  # a saved checkpoint holds copies
     with pytest.raises(ValueError, match="format 3, not one this dreamer reads"):
         learner.load_state_dict({**state, "format": 3})
+    with pytest.raises(ValueError, match="no learner state this dreamer knows"):
+        learner.load_state_dict({"updates": 3})
     learner.optimizer.step_count += 5
     learner.load_state_dict(state)
     assert float(learner.optimizer.step_count) == 0
