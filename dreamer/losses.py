@@ -1,5 +1,5 @@
 """DreamerV3's losses: the terms as plain functions on tensors (the world model's reconstruction and continue
-losses, λ-returns and their scale, the actor's and the critic's losses, the replay value's targets, the
+losses, λ-returns, the actor's and the critic's losses, the replay value's targets, the
 two-hot reward and value heads), and `Losses`, which applies them to the networks' outputs and holds the
 state they carry between updates (slow critic, return normalization). dreamer.learner calls `Losses`."""
 
@@ -9,7 +9,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torchrl.modules import PercentileValueNorm
 from torchrl.modules.models.model_based import _default_bins, two_hot_cross_entropy, two_hot_decode
 from torchrl.objectives import symexp, symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
@@ -110,26 +110,6 @@ def imagined_returns(reward, next_value, continuation, gamma: torch.Tensor, lmbd
     return torch.stack(returns[::-1], dim=-2)
 
 
-class ReturnNorm(nn.Module):
-    """The scale of the actor's advantages: exponential moving averages (`rate` per update) of the 5th and
-    95th percentiles of the imagined returns, scale = max(1, high - low). Buffers `low` and `high` [1]."""
-
-    def __init__(self, rate: float, device: torch.device | None = None):
-        super().__init__()
-        self.rate = rate
-        self.register_buffer("low", torch.zeros(1, device=device))
-        self.register_buffer("high", torch.zeros(1, device=device))
-        self.register_buffer("quantiles", torch.tensor([0.05, 0.95], device=device), persistent=False)
-
-    @torch.no_grad()
-    def update(self, returns: torch.Tensor) -> torch.Tensor:
-        """Moves the averages toward the percentiles of `returns`; returns the new scale (0-dim)."""
-        low, high = torch.quantile(returns.reshape(-1, 1), self.quantiles.to(returns), dim=0)
-        self.low.lerp_(low, self.rate)
-        self.high.lerp_(high, self.rate)
-        return (self.high - self.low).clamp_min(1.0).squeeze(-1)
-
-
 def discrete_log_prob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a) and the entropy [..., 1] of a categorical policy's logits, for one-hot actions."""
     logits = logits - logits.logsumexp(-1, keepdim=True)
@@ -192,7 +172,8 @@ class Losses:
         self.lmbda = torch.tensor(settings.lmbda, device=device)
         self.slow_critic = copy.deepcopy(nets.critic_head).requires_grad_(False)
         self.slow_params = dict(self.slow_critic.named_parameters())
-        self.return_norm = ReturnNorm(settings.return_norm_rate, device=device)
+        # EMAs of the imagined returns' 5th and 95th percentiles; the advantages' scale is max(1, high - low)
+        self.return_norm = PercentileValueNorm(rate=settings.return_norm_rate, device=device)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors an update changes here (the learner's warm-up saves and restores them)."""
@@ -286,7 +267,8 @@ class Losses:
             continuation = continuation_all[:, 1:]
             lambda_target = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
             weight = imagination_weights(continuation_all, self.gamma)
-            scale = self.return_norm.update(lambda_target)  # EMA of the 5th / 95th percentiles
+            self.return_norm.update(lambda_target)
+            scale = self.return_norm.scale().squeeze(-1)
             baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
             advantage = (lambda_target - baseline) / scale
 
