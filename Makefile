@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,crafter,dmc,atari,sweeps,media]'
+	$(PY) -m pip install -q -e '.[dev,crafter,dmc,atari,sweeps,media,ray]'
 	touch $@
 
 train: venv

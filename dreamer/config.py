@@ -11,6 +11,7 @@ run compose them the same way (`compose_config`, then `model_size`, `loss_settin
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import re
 from dataclasses import dataclass, replace
@@ -119,7 +120,7 @@ class Settings:
     loss: LossSettings
     optimizer: OptimizerSettings
     updates_per_step: float  # train_ratio / (batch_size * batch_length)
-    collect: str = "inline"  # run.collect resolved: inline or workers
+    collect: str = "inline"  # run.collect resolved: inline, workers or ray
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -137,7 +138,7 @@ INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.
             "model.units", "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers",
             "model.actor_layers", "model.critic_layers", "model.imag_layers", "model.obs_layers", "model.dyn_layers",
             "model.bins", "model.kernel")
-NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "optimizer.lr", "optimizer.eps",
+NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "run.ray_env_cpus", "run.ray_env_memory_gb", "optimizer.lr", "optimizer.eps",
            "optimizer.agc", "optimizer.beta1", "optimizer.beta2", "loss.horizon", "loss.lmbda", "loss.entropy",
            "loss.kl_dynamic", "loss.kl_representation", "loss.free_nats", "loss.replay_value", "loss.slow_critic",
            "loss.slow_critic_tau", "loss.return_norm_rate", "model.unimix")
@@ -163,6 +164,8 @@ RANGES = (
     ("run.inference_wait_ms", lambda v: v >= 0, "at least 0"),
     ("run.inference_threads", lambda v: v >= 0, "at least 0 (0 = torch's default, one per core)"),
     ("run.worker_stall_s", lambda v: v > 0, "positive"),
+    ("run.ray_env_cpus", lambda v: v > 0, "positive (CPUs each Ray env actor asks for; fractions allowed)"),
+    ("run.ray_env_memory_gb", lambda v: v >= 0, "at least 0 (0 = no memory reserved)"),
     ("replay.size", lambda v: v >= 1, "at least 1"),
     ("optimizer.lr", lambda v: v > 0, "positive"),
     ("optimizer.eps", lambda v: v > 0, "positive"),
@@ -187,7 +190,7 @@ RANGES = (
         "deter", "hidden", "stoch", "classes", "depth", "units", "blocks", "enc_layers", "dec_layers",
         "head_layers", "actor_layers", "critic_layers", "imag_layers", "obs_layers", "dyn_layers", "kernel")),
 )
-CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "auto"),
+CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "ray", "auto"),
            "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
@@ -197,7 +200,8 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 # Settings newer than some run folders: an older config.yaml without one reads as this default (its readers
 # use the same), so that evaluating or continuing such a run still validates.
-ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1}
+ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
+               "run.ray_env_memory_gb": 0}
 
 
 def _check_types(cfg: DictConfig) -> None:
@@ -287,6 +291,15 @@ def reference_settings(model: str = "size200m") -> tuple[ModelSize, LossSettings
     return model_size(cfg), loss_settings(cfg), optimizer_settings(cfg)
 
 
+def _check_ray(address) -> None:
+    if address is not None and (not isinstance(address, str) or not address.strip()):
+        raise ConfigError(f"run.ray_address must be auto, HOST:PORT of a Ray head or null (a local cluster), "
+                          f"got {address!r}")
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("run.collect=ray needs Ray, which is not installed here: pip install -e '.[ray]' "
+                          "(ray==2.60.0), or use run.collect=workers")
+
+
 def validate(cfg: DictConfig) -> Settings:
     _check_sections(cfg)
     _check_types(cfg)
@@ -305,6 +318,8 @@ def validate(cfg: DictConfig) -> Settings:
         )
     if cfg.model.deter % cfg.model.blocks:
         raise ConfigError(f"model.deter={cfg.model.deter} must be a multiple of model.blocks={cfg.model.blocks}")
+    if cfg.run.collect == "ray":
+        _check_ray(cfg.run.get("ray_address"))
     try:
         check_task(cfg.env)
     except EnvConfigError as error:

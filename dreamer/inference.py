@@ -152,6 +152,7 @@ class RowClient:
         # Seconds summed over this client's requests: from its submission to the server's ring (the
         # server's queue, pass and scatter), and from that ring to this process running again (its wake-up).
         self.served_seconds = self.wake_seconds = 0.0
+        self._submitted = 0.0
         self._in = self._out = None
 
     def __getstate__(self) -> dict:
@@ -165,12 +166,32 @@ class RowClient:
             self._out = self.response_rows.views(self.responses[self.slot:self.slot + 1])
         for key, view in self._in:
             view.copy_(request.get(key))
+        self._submit()
+        self._await()
+        return self._out
+
+    def post(self, row: torch.Tensor) -> None:
+        """Submits a request already packed as a row (`Rows` of the request spec) without waiting for its
+        answer (`answer` waits): a caller that serves several slots posts all its requests first, and the
+        server answers them in one pass."""
+        self.requests[self.slot].copy_(row)
+        self._submit()
+
+    def answer(self) -> torch.Tensor:
+        """The answer to the posted request: the slot's response row, valid until the next request."""
+        self._await()
+        return self.responses[self.slot]
+
+    def _submit(self) -> None:
         slot = self.slot
         self.doorbell.clear()
         self.status[slot] = 0
-        self.submitted_at[slot] = submitted = time.monotonic()
+        self.submitted_at[slot] = self._submitted = time.monotonic()
         self.ready[slot] = 1  # after the payload: the server reads the row once it sees this byte
         self.work.release()
+
+    def _await(self) -> None:
+        slot, submitted = self.slot, self._submitted
         while not self.doorbell.wait(0.1):  # raises SystemExit when the trainer is gone
             pass
         woke, answered = time.monotonic(), self.answered_at[slot]
@@ -180,7 +201,6 @@ class RowClient:
         self.doorbell.clear()
         if self.status[slot]:
             raise self.errors.get()
-        return self._out
 
     def __call__(self, request: TensorDictBase) -> TensorDict:
         """The answer as a tensordict of its own (`policy`, `policy_version`)."""

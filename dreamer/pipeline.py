@@ -8,6 +8,8 @@ ended; it acts with a policy whose weights it refreshes from the learner's. Two 
 - `WorkerSource` (`run.collect=workers`): one env per worker process (`dreamer.workers`), acting through
   the batched inference server (`dreamer.inference`); an ingest thread adds their chunks to replay.
   `run.collect=auto` is this one on a CUDA learner, the inline one on CPU (`dreamer.config.Settings`).
+  With `run.collect=ray` the same source's envs are Ray actors on any node of a cluster
+  (`dreamer.ray_workers`), acting through the same server on this node.
 
 Both act with a copy of the policy's weights, refreshed every `run.sync_every` updates without the
 learner waiting (`dreamer.inference.WeightSync`), so acting never waits for the updates queued on the
@@ -259,8 +261,8 @@ class WorkerSource(Source):
     """
 
     def __init__(self, cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
-                 cudagraph: bool, replay, announce: Callable[[str], None] | None = print):
-        self.cfg, self.policy, self.layout, self.size = cfg, policy, layout, size
+                 cudagraph: bool, replay, announce: Callable[[str], None] | None = print, ray: bool = False):
+        self.cfg, self.policy, self.layout, self.size, self.ray = cfg, policy, layout, size, ray
         self.device, self.cudagraph, self.replay, self.announce = torch.device(device), cudagraph, replay, announce
         self.envs = cfg.run.envs
         self.inference = self.pool = self.ingest = None
@@ -297,15 +299,28 @@ class WorkerSource(Source):
             replay.end_stream(stream)
 
         served = time.monotonic()
-        self.pool = WorkerPool(OmegaConf.to_container(cfg.env, resolve=True), cfg.seed, self.layout, self.size,
-                               inference.clients, cfg.run.chunk, cfg.env.suite, on_restart=restarted,
-                               stall_seconds=cfg.run.worker_stall_s, start_method=cfg.run.worker_start).start()
+        env_cfg = OmegaConf.to_container(cfg.env, resolve=True)
+        if self.ray:
+            from dreamer.ray_workers import RayPool
+
+            # The pump holds the slots and never leaves a request in one when it replaces an actor: only a
+            # dead pump's slots need forgetting (RayPool).
+            self.pool = RayPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,
+                                cfg.env.suite, on_restart=replay.end_stream, stall_seconds=cfg.run.worker_stall_s,
+                                start_method=cfg.run.worker_start, address=cfg.run.get("ray_address"),
+                                env_cpus=cfg.run.get("ray_env_cpus", 1), env_memory_gb=cfg.run.get("ray_env_memory_gb", 0),
+                                forget_slot=inference.forget_slot, announce=self.announce).start()
+        else:
+            self.pool = WorkerPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,
+                                   cfg.env.suite, on_restart=restarted, stall_seconds=cfg.run.worker_stall_s,
+                                   start_method=cfg.run.worker_start).start()
         # At most a chunk per worker ahead of the loop (backpressure: see Ingest).
         self.ingest = Ingest(self.pool, replay, alive=lambda: inference.alive,
                              max_pending=self.envs * cfg.run.chunk).start()
         self._started = time.monotonic()  # until every worker has stepped: see gather
         if self.announce:
-            self.announce(f"dreamer: {self.envs} env worker processes, inference server on {self.device} "
+            workers = "Ray env workers (actors)" if self.ray else "env worker processes"
+            self.announce(f"dreamer: {self.envs} {workers}, inference server on {self.device} "
                           f"({'its own process' if own_process else 'a thread'}, ready in {served - began:.1f} s)")
 
     def gather(self, timeout: float = 1.0) -> tuple[int, list[Episode]]:
@@ -337,9 +352,9 @@ class WorkerSource(Source):
 def make_source(cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, topology, cudagraph: bool,
                 replay, collect: str) -> Source:
     """The source `collect` names (`run.collect` resolved, `dreamer.config.Settings`): inline on the
-    learner's device, or workers with the server on the inference device."""
-    if collect == "workers":
-        return WorkerSource(cfg, policy, layout, size, topology.inference, cudagraph, replay)
+    learner's device, or workers (processes or Ray actors) with the server on the inference device."""
+    if collect in ("workers", "ray"):
+        return WorkerSource(cfg, policy, layout, size, topology.inference, cudagraph, replay, ray=collect == "ray")
     return InlineSource(cfg, policy, layout, size, topology.learner, cudagraph, replay)
 
 

@@ -99,7 +99,33 @@ def register(pid: int) -> None:
         pass
 
 
-def _started(pid: int) -> str | None:
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (its children, theirs, ...), from /proc; [] where there is none."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            parent = _parent_of(int(entry))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_same(pids: dict[int, str]) -> None:
+    """SIGKILLs each process of {pid: start time} that is still the one recorded (never a reused pid)."""
+    for pid, started in pids.items():
+        if started_at(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def started_at(pid: int) -> str | None:
     """The start time of process `pid` (ticks since boot), or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -127,15 +153,10 @@ def _reap(trainer: int) -> None:
             break
         *lines, pending = (pending + data).split(b"\n")
         for line in lines:
-            started = _started(int(line))
+            started = started_at(int(line))
             if started is not None:
                 children[int(line)] = started
-    for pid, started in children.items():
-        if _started(pid) == started:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+    kill_same(children)
     # The run's semaphores, and the CUDA driver's files of the trainer's CUDA IPC (it shares the weight
     # staging buffers with a GPU inference server): `cuda.shm.<device>.<pid in hex>.<n>`, which the driver
     # leaves behind when the consumer still held a shared buffer as the trainer ended (seen on the H200

@@ -60,6 +60,21 @@ class Chunk:
     env_restarts: int  # env rebuilds inside the worker (the env raised), since its last chunk
 
 
+def first_env(cfg, seed: int, index: int, suite: str, max_restarts: int):
+    """A worker's env `index`, built up to `max_restarts` times in a row (starting an env can fail now and
+    then: MineRL does); CollectionError, one line, when every try failed."""
+    from dreamer.envs import make_env
+
+    for attempt in range(1, max_restarts + 1):
+        try:
+            return make_env(cfg, seed, index)
+        except Exception as error:
+            if attempt == max_restarts:
+                reason = str(error).splitlines()[0] if str(error) else ""
+                raise CollectionError(f"{suite} env {index} could not be created {attempt} times in a row, "
+                                      f"last with {type(error).__name__}: {reason}; stopping") from None
+
+
 def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, client,
                  writer: Connection, stop, chunk: int, suite: str, max_restarts: int, stepped, timing,
                  trainer: int) -> None:
@@ -78,15 +93,7 @@ def _worker_main(index: int, env_cfg: dict, seed: int, layout: EnvLayout, size: 
     cfg = OmegaConf.create(env_cfg)
     collector = None
     try:
-        for attempt in range(1, max_restarts + 1):  # starting an env can fail now and then (MineRL does)
-            try:
-                env = make_env(cfg, seed, index)
-                break
-            except Exception as error:
-                if attempt == max_restarts:
-                    reason = str(error).splitlines()[0] if str(error) else ""
-                    raise CollectionError(f"{suite} env {index} could not be created {attempt} times in a row, "
-                                          f"last with {type(error).__name__}: {reason}; stopping") from None
+        env = first_env(cfg, seed, index, suite, max_restarts)
         collector = Collector([env], lambda _: make_env(cfg, seed, index), _RemotePolicy(client), layout, size,
                               torch.device("cpu"), suite=suite, max_restarts=max_restarts)
         records, episodes, restarts = [], [], 0

@@ -31,6 +31,10 @@
 #   bash scripts/reproduce.sh startup         # the worker source's start-up and memory, spawned against forked
 #                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
 #                                             # with 16 workers, emulated Minecraft with 64
+#   bash scripts/reproduce.sh ray             # emulated Minecraft collecting only, 64 envs at 50 ms: worker
+#                                             # processes, then Ray actors (a local cluster); then Ray at 128
+#                                             # and 256 envs (RAY_ENVS); RAY_SECONDS each; RAY_TRAIN=1 then
+#                                             # the Minecraft preset with Ray workers (training / collecting)
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio_paper, 6 tasks x 3 seeds to 100K frames,
 #                                             # six runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
@@ -179,6 +183,28 @@ case "${1:-}" in
       $PY scripts/run_figures.py "$OUT/server-threads$threads-run" --collecting --out "$OUT/server-threads.jsonl" ||
         echo "run.inference_threads=$threads: no figures (its log: $OUT/server-threads$threads.log)"
     done
+    ;;
+  ray)
+    # Collecting only (no update: run.train_start past the run), the server on one intra-op thread, each run
+    # SIGINTed after RAY_SECONDS; scripts/run_figures.py --collecting gives its env steps/s. Replay: 200K records
+    # (at 256 envs still 781 per stream).
+    collect_run() {  # collect_run SOURCE ENVS
+      timeout --foreground --signal=INT -k 60 "${RAY_SECONDS:-100}" $PY -m dreamer.train +exp=minecraft env=emulated \
+        run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=1 \
+        run.collect="$1" run.envs="$2" hydra.run.dir="$OUT/ray-$1-$2-run" > "$OUT/ray-$1-$2.log" 2>&1 || true
+      rm -rf "$OUT/ray-$1-$2-run/checkpoints"
+      grep -h "Ray env workers on\|stepping" "$OUT/ray-$1-$2.log" || true
+      $PY scripts/run_figures.py "$OUT/ray-$1-$2-run" --collecting --out "$OUT/ray.jsonl" ||
+        echo "$1 at $2 envs: no figures (its log: $OUT/ray-$1-$2.log)"
+    }
+    collect_run workers 64
+    collect_run ray 64
+    for envs in ${RAY_ENVS:-128 256}; do collect_run ray "$envs"; done
+    if [ "${RAY_TRAIN:-0}" = 1 ]; then
+      timeout --foreground --signal=INT -k 60 "${MINECRAFT_SECONDS:-360}" $PY -m dreamer.train +exp=minecraft \
+        env=emulated run.collect=ray run.log_every=8192 hydra.run.dir="$OUT/ray-train-run" > "$OUT/ray-train.log" 2>&1 || true
+      $PY scripts/run_figures.py "$OUT/ray-train-run" --out "$OUT/ray-train.jsonl"
+    fi
     ;;
   learn-dmc | learn-smoke)
     # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go

@@ -118,7 +118,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
 @pytest.mark.parametrize("key, value, words", [
     ("model.mults", [2, 0], "model.mults must be a list of positive integers"),
     ("run.eval_video", "yes", "run.eval_video must be true or false"),
-    ("run.collect", "threads", "run.collect must be inline, workers or auto, got 'threads'"),
+    ("run.collect", "threads", "run.collect must be inline, workers, ray or auto, got 'threads'"),
     ("run.inference_threads", -1, "run.inference_threads must be at least 0 (0 = torch's default"),
     ("run.inference_threads", 1.5, "run.inference_threads must be an integer, got 1.5"),
     ("run.eval_envs", 0, "run.eval_envs must be at least 1 (envs an evaluation steps at once)"),
@@ -199,7 +199,8 @@ def test_frames_are_env_steps_times_the_action_repeat():
 
 
 @pytest.mark.parametrize("gpus, chosen, resolved", [
-    (0, "auto", "inline"), (1, "auto", "workers"), (1, "inline", "inline"), (0, "workers", "workers")])
+    (0, "auto", "inline"), (1, "auto", "workers"), (1, "inline", "inline"), (0, "workers", "workers"),
+    (1, "ray", "ray")])
 def test_run_collect_auto_is_workers_on_a_cuda_learner_and_inline_on_cpu(monkeypatch, gpus, chosen, resolved):
     """dmc_proprio collects with `auto`; the GPU count is what the topology sees (no GPU is used here)."""
     import dreamer.topology
@@ -234,3 +235,18 @@ def test_help_is_the_apps_own_text_with_its_presets_and_sizes(workdir):
     assert text.startswith("dreamer: DreamerV3 training.") and "python -m dreamer.evaluate" in text
     assert "dmc_proprio" in text and "size200m" in text and "--cfg job" in text
     assert "Powered by Hydra" not in text  # Hydra's own help stays behind --hydra-help
+
+
+def test_ray_collection_checks_its_address_and_that_ray_is_installed(monkeypatch):
+    import importlib.util
+
+    cfg = _smoke_cfg()
+    OmegaConf.update(cfg, "run.collect", "ray")
+    OmegaConf.update(cfg, "run.ray_address", 5)
+    with pytest.raises(ConfigError, match=re.escape("run.ray_address must be auto, HOST:PORT of a Ray head or null")):
+        validate(cfg)
+    OmegaConf.update(cfg, "run.ray_address", "auto")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=re.escape("run.collect=ray needs Ray, which is not installed here")):
+        validate(cfg)

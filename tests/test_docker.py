@@ -29,11 +29,15 @@ def test_hadolint_passes():
 
 def test_pins_agree_with_pyproject():
     project = (ROOT / "pyproject.toml").read_text()
-    assert {"torch", "minerl"} <= {name for name, _ in PINS}
+    assert {"torch", "gym"} <= {name for name, _ in PINS}
     for name, version in PINS:
         pinned = re.search(rf'"{re.escape(name)}==([^"]+)"', project)
         if pinned:
             assert pinned.group(1) == version, f"Dockerfile {name}=={version}, pyproject {pinned.group(0)}"
+    # MineRL: one prebuilt wheel, by URL and hash, in both places (the minecraft extra is what the image installs).
+    wheel = re.findall(r'minerl_mirror @ (https://\S+\.whl#sha256=[0-9a-f]{64})', DOCKERFILE)
+    extra = re.search(r'^minecraft = \["minerl_mirror @ (https://\S+\.whl#sha256=[0-9a-f]{64})"\]', project, re.M)
+    assert len(wheel) == 1 and extra and extra.group(1) == wheel[0]
 
 
 def test_pinned_versions_exist_on_pypi():
@@ -49,7 +53,7 @@ def test_pinned_versions_exist_on_pypi():
 
 def test_layers_keep_minecraft_cached_and_the_default_command():
     lines = [line.strip() for line in DOCKERFILE.splitlines()]
-    minerl = next(i for i, line in enumerate(lines) if "minerl==" in line)
+    minerl = next(i for i, line in enumerate(lines) if "minerl_mirror @" in line)
     first_copy = next(i for i, line in enumerate(lines) if line.startswith("COPY"))
     source = next(i for i, line in enumerate(lines) if line.startswith("COPY dreamer"))
     assert minerl < first_copy < source  # editing the source does not rebuild MineRL or the dependencies
