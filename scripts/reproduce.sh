@@ -31,10 +31,10 @@
 #   bash scripts/reproduce.sh startup         # the worker source's start-up and memory, spawned against forked
 #                                             # from the fork server (scripts/bench_startup.py): dmc_proprio
 #                                             # with 16 workers, emulated Minecraft with 64
-#   bash scripts/reproduce.sh ray             # emulated Minecraft collecting only, 64 envs at 50 ms: worker
-#                                             # processes, then Ray actors (a local cluster); then Ray at 128
-#                                             # and 256 envs (RAY_ENVS); RAY_SECONDS each; RAY_TRAIN=1 then
-#                                             # the Minecraft preset with Ray workers (training / collecting)
+#   bash scripts/reproduce.sh ray             # emulated Minecraft collecting only at 50 ms per step: 64 worker
+#                                             # processes, then 64, 128 and 256 Ray actors (a local cluster;
+#                                             # RAY_RUNS), RAY_SECONDS each; RAY_TRAIN=1 then the Minecraft
+#                                             # preset with Ray workers (training / collecting)
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio_paper, 6 tasks x 3 seeds to 100K frames,
 #                                             # six runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
@@ -197,9 +197,8 @@ case "${1:-}" in
       $PY scripts/run_figures.py "$OUT/ray-$1-$2-run" --collecting --out "$OUT/ray.jsonl" ||
         echo "$1 at $2 envs: no figures (its log: $OUT/ray-$1-$2.log)"
     }
-    collect_run workers 64
-    collect_run ray 64
-    for envs in ${RAY_ENVS:-128 256}; do collect_run ray "$envs"; done
+    # RAY_RUNS: SOURCE:ENVS pairs, run in turn (a long list may need two commands of 10 minutes).
+    for pair in ${RAY_RUNS:-workers:64 ray:64 ray:128 ray:256}; do collect_run "${pair%%:*}" "${pair##*:}"; done
     if [ "${RAY_TRAIN:-0}" = 1 ]; then
       timeout --foreground --signal=INT -k 60 "${MINECRAFT_SECONDS:-360}" $PY -m dreamer.train +exp=minecraft \
         env=emulated run.collect=ray run.log_every=8192 hydra.run.dir="$OUT/ray-train-run" > "$OUT/ray-train.log" 2>&1 || true
