@@ -437,8 +437,8 @@ RUN_SETTINGS = ("run.name", "run.dir", "run.steps", "run.resume", "run.accept_ch
                 "run.eval_every", "run.eval_episodes", "run.eval_envs", "run.eval_video", "run.save_every",
                 "run.keep_checkpoints", "run.compile", "run.cudagraph", "run.precision", "run.threads", "run.collect",
                 "run.chunk", "run.sync_every", "run.inference_wait_ms", "run.inference", "run.inference_threads",
-                "run.worker_stall_s", "run.worker_start", "run.ray_address", "run.ray_env_cpus", "run.ray_env_memory_gb",
-                "replay.storage", "topology", "logger")
+                "run.worker_stall_s", "run.worker_start", "run.ray_address", "run.ray_env_cpus",
+                "run.ray_env_memory_gb", "replay.storage", "topology", "logger")
 
 
 def _leaves(tree, prefix: str = "") -> dict:

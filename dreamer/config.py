@@ -138,8 +138,9 @@ INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.
             "model.units", "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers",
             "model.actor_layers", "model.critic_layers", "model.imag_layers", "model.obs_layers", "model.dyn_layers",
             "model.bins", "model.kernel")
-NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "run.ray_env_cpus", "run.ray_env_memory_gb", "optimizer.lr", "optimizer.eps",
-           "optimizer.agc", "optimizer.beta1", "optimizer.beta2", "loss.horizon", "loss.lmbda", "loss.entropy",
+NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "run.ray_env_cpus",
+           "run.ray_env_memory_gb", "optimizer.lr", "optimizer.eps", "optimizer.agc", "optimizer.beta1",
+           "optimizer.beta2", "loss.horizon", "loss.lmbda", "loss.entropy",
            "loss.kl_dynamic", "loss.kl_representation", "loss.free_nats", "loss.replay_value", "loss.slow_critic",
            "loss.slow_critic_tau", "loss.return_norm_rate", "model.unimix")
 

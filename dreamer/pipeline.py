@@ -308,7 +308,8 @@ class WorkerSource(Source):
             self.pool = RayPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,
                                 cfg.env.suite, on_restart=replay.end_stream, stall_seconds=cfg.run.worker_stall_s,
                                 start_method=cfg.run.worker_start, address=cfg.run.get("ray_address"),
-                                env_cpus=cfg.run.get("ray_env_cpus", 1), env_memory_gb=cfg.run.get("ray_env_memory_gb", 0),
+                                env_cpus=cfg.run.get("ray_env_cpus", 1),
+                                env_memory_gb=cfg.run.get("ray_env_memory_gb", 0),
                                 forget_slot=inference.forget_slot, announce=self.announce).start()
         else:
             self.pool = WorkerPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,

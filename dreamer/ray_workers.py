@@ -53,7 +53,9 @@ from dreamer.collect import CollectionError, Collector, Episode
 from dreamer.inference import Rows, request_spec, response_spec
 from dreamer.workers import TIMES, Chunk, first_env, worker_context
 
-LOCAL_OBJECT_STORE = 512 * 2**20  # bytes of Ray's object store on a local cluster (chunks pass through it)
+# Bytes of Ray's object store on a local cluster, where the actors' chunks wait for the pump: room for a
+# few chunks per env, at least 512 MB.
+LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 
 
 @dataclass
@@ -98,7 +100,9 @@ class EnvWorker:
         self._closed = threading.Event()
         self._collector: Collector | None = None
         self._finished: Chunk | None = None  # the chunk the next reply carries
-        self._steps, self._seconds, self._clock = 0, [0.0] * 4, time.perf_counter()
+        # Collector steps since the last reply, and the collector's policy, env and step seconds and the
+        # clock at the last reply (a reply carries their differences: `Reply`).
+        self._steps, self._seconds = 0, [0.0, 0.0, 0.0, time.perf_counter()]
         self._thread = threading.Thread(target=self._run, args=(env_cfg, seed, layout, size, max_restarts),
                                         daemon=True, name="dreamer-env-worker")
         self._thread.start()
@@ -160,13 +164,10 @@ class EnvWorker:
         set in `record` [1]."""
         for key, view in self._in:
             view.copy_(record.get(key))
-        now, seconds = time.perf_counter(), self._collector.seconds
-        total = [seconds["policy"], seconds["env"], seconds["step"], now]
-        delta = [a - b for a, b in zip(total, self._seconds)]
-        if not self._steps:
-            delta = [0.0] * 4  # the first request: nothing stepped yet
-        delta[3] = total[3] - self._clock
-        self._seconds, self._clock = total, now
+        seconds = self._collector.seconds
+        total = [seconds["policy"], seconds["env"], seconds["step"], time.perf_counter()]
+        delta = [now - then for now, then in zip(total, self._seconds)]  # the last one: the loop's time
+        self._seconds = total
         self._replies.put(Reply(self._row[0].clone(), self._finished, self._steps, delta))
         self._finished, self._steps = None, 0
         answer = self._answers.get()
@@ -214,7 +215,7 @@ def _connect(address: str | None, envs: int, env_cpus: float):
     if address is not None:
         return ray.init(address=address, **common)
     cpus = max(os.cpu_count() or 1, math.ceil(envs * env_cpus))
-    return ray.init(num_cpus=cpus, object_store_memory=LOCAL_OBJECT_STORE, **common)
+    return ray.init(num_cpus=cpus, object_store_memory=max(LOCAL_STORE_MIN, envs * LOCAL_STORE_PER_ENV), **common)
 
 
 class _Pump:
