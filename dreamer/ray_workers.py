@@ -418,8 +418,9 @@ def _send(writer: Connection, message) -> None:
 class RayPool:
     """`WorkerPool`'s interface over env workers that are Ray actors, fed by one pump process.
 
-    `on_restart(stream)` runs in the caller of `receive` when an actor was replaced, after the chunks it
-    sent; `forget_slot(stream)` (the inference server's) also runs when the pump itself died, whose
+    `on_restart(stream)` runs in the caller of `receive` when an actor was replaced, once the chunks it
+    sent are in the caller's hands (a replacement read after one of them waits for the next `receive`);
+    `forget_slot(stream)` (the inference server's) also runs when the pump itself died, whose
     requests may be left in the slots; a pump that dies `max_restarts` times without a chunk in between
     stops collection. `announce` prints the pump's notes (the actors' placement).
     """
@@ -454,6 +455,7 @@ class RayPool:
         self._reading = False
         self.reading_since = 0.0
         self._closing = False
+        self.held: Restarted | None = None  # a replacement whose stream's chunks the caller stores first
 
     def start(self) -> RayPool:
         self._spawn()
@@ -498,6 +500,9 @@ class RayPool:
     def receive(self, timeout: float) -> list[Chunk]:
         """The chunks that arrive within `timeout` s (those ready, at most one per env stream; at least one
         if any comes)."""
+        if self.held is not None:  # a replacement read last time after chunks of its stream: theirs came first
+            self._restarted(self.held)
+            self.held = None
         if self.pipe is None or not wait([self.pipe], timeout):
             return []
         chunks = []
@@ -511,6 +516,11 @@ class RayPool:
             finally:
                 self._reading = False
             self.read_seconds += time.perf_counter() - start
+            if isinstance(message, Restarted) and any(c.stream == message.stream for c in chunks):
+                self.held = message  # the caller stores those chunks before the stream ends
+                break
+            if message is None and chunks:
+                break  # the caller stores these before every stream ends; the next call reads the end again
             if message is None:
                 self._dead()
             elif isinstance(message, Chunk):
@@ -519,12 +529,7 @@ class RayPool:
                 self.taken.value += 1
                 chunks.append(message)
             elif isinstance(message, Restarted):
-                self.restarts += 1
-                self.stalls += message.reason.startswith("no env step")
-                if self.announce:
-                    self.announce(f"dreamer: Ray env worker {message.stream} replaced ({message.reason})")
-                if self.on_restart is not None:
-                    self.on_restart(message.stream)
+                self._restarted(message)
             elif isinstance(message, Note):
                 if self.announce:
                     self.announce(f"dreamer: {message.text}")
@@ -535,6 +540,14 @@ class RayPool:
             else:
                 raise CollectionError(str(message))
         return chunks
+
+    def _restarted(self, message: Restarted) -> None:
+        self.restarts += 1
+        self.stalls += message.reason.startswith("no env step")
+        if self.announce:
+            self.announce(f"dreamer: Ray env worker {message.stream} replaced ({message.reason})")
+        if self.on_restart is not None:
+            self.on_restart(message.stream)
 
     def timing(self) -> tuple[int, list[float]]:
         """As `WorkerPool.timing` (module docstring: what served and wake mean here)."""
