@@ -338,7 +338,7 @@ class WorkerSource(Source):
             self.inference.sync()  # never waits for the server
 
     def stats(self) -> dict[str, float]:
-        return {**self.inference.stats(), **self.times.since(*self.pool.timing())}
+        return {**self.inference.stats(), **self.times.since(*self.pool.timing()), **self.pool.stats()}
 
     @property
     def restarts(self) -> int:

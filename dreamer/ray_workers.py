@@ -455,6 +455,7 @@ class RayPool:
         self._reading = False
         self.reading_since = 0.0
         self._closing = False
+        self._pump_cpu: tuple | None = None  # (pid, clock, CPU seconds) of the pump at the last `stats`
         self.held: Restarted | None = None  # a replacement whose stream's chunks the caller stores first
 
     def start(self) -> RayPool:
@@ -556,6 +557,24 @@ class RayPool:
 
     def blocked(self, seconds: float) -> bool:
         return self._reading and time.monotonic() - self.reading_since > seconds
+
+    def stats(self) -> dict[str, float]:
+        """collect/pump_busy: the pump's CPU time (user and system) over the wall time since the last call.
+        The pump is one process: near 1.0 it is what limits the Ray workers' steps."""
+        now, cpu = time.monotonic(), _cpu_seconds(self.process.pid) if self.process is not None else None
+        last, self._pump_cpu = self._pump_cpu, (self.process.pid if self.process else None, now, cpu)
+        if cpu is None or last is None or last[0] != self._pump_cpu[0] or last[2] is None or now <= last[1]:
+            return {}
+        return {"collect/pump_busy": (cpu - last[2]) / (now - last[1])}
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process `pid` (Linux), None where they cannot be read."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
     def close(self, timeout: float = 20.0) -> None:
         """Stops the pump, which ends its actors and leaves the cluster; kills it after `timeout` s."""

@@ -335,6 +335,10 @@ class WorkerPool:
         """Whether `receive` has been reading one worker's pipe for more than `seconds` s."""
         return self._reading is not None and time.monotonic() - self.reading_since > seconds
 
+    def stats(self) -> dict[str, float]:
+        """Figures of the pool itself for a metrics record (the Ray pool has some: `RayPool.stats`)."""
+        return {}
+
     def close(self, timeout: float = 5.0) -> None:
         """Stops every worker within about `timeout` s: those that do not end in time are killed (also a
         stopped one), and none is restarted from here on."""

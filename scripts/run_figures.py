@@ -21,7 +21,7 @@ from pathlib import Path
 
 FIGURES = ("env_steps_per_s", "updates_per_s", "learner/busy", "inference/busy", "inference/p50_ms",
            "inference/p99_ms", "inference/queue_ms", "inference/batch", "collect/policy_ms", "collect/served_ms",
-           "collect/wake_ms", "collect/env_ms", "collect/own_ms")
+           "collect/wake_ms", "collect/env_ms", "collect/own_ms", "collect/pump_busy")
 
 
 def _medians(records: list[dict]) -> dict:
