@@ -170,25 +170,34 @@ class RowClient:
         self._await()
         return self._out
 
-    def post(self, row: torch.Tensor) -> None:
-        """Submits a request already packed as a row (`Rows` of the request spec) without waiting for its
-        answer (`answer` waits): a caller that serves several slots posts all its requests first, and the
-        server answers them in one pass."""
-        self.requests[self.slot].copy_(row)
-        self._submit()
+    def post(self, row, ring: bool = True) -> None:
+        """Submits a request already packed as a row (`Rows` of the request spec; a tensor or a numpy array)
+        without waiting for its answer (`answer` waits): a caller that serves several slots posts all its
+        requests first, and the server answers them in one pass. `ring=False` leaves waking the server to
+        the caller's `ring` after its last post: one wake-up, and a pass that finds them all."""
+        if isinstance(row, torch.Tensor):
+            self.requests[self.slot].copy_(row)
+        else:
+            self.requests[self.slot].numpy()[:] = row
+        self._submit(ring)
+
+    def ring(self) -> None:
+        """Wakes the server for the requests posted without a ring (any slot's client wakes it for all)."""
+        self.work.release()
 
     def answer(self) -> torch.Tensor:
         """The answer to the posted request: the slot's response row, valid until the next request."""
         self._await()
         return self.responses[self.slot]
 
-    def _submit(self) -> None:
+    def _submit(self, ring: bool = True) -> None:
         slot = self.slot
         self.doorbell.clear()
         self.status[slot] = 0
         self.submitted_at[slot] = self._submitted = time.monotonic()
         self.ready[slot] = 1  # after the payload: the server reads the row once it sees this byte
-        self.work.release()
+        if ring:
+            self.work.release()
 
     def _await(self) -> None:
         slot, submitted = self.slot, self._submitted

@@ -7,13 +7,16 @@ Three parts:
   env in a thread of the actor, exactly as a worker process does. Its policy is a mailbox: each step's
   request (the record's leaves packed in one row of bytes, `dreamer.inference.Rows`) leaves as the
   reply of a call of `exchange`, and the next call brings its answer. Every `run.chunk` records the
-  finished chunk rides on a reply.
+  finished chunk rides on a reply. Rows and chunks travel as numpy arrays (`Packed`), which Ray moves as
+  their bytes; tensors would go through torch's pickling.
 - The pump (`_pump_main`), a process of the trainer's node that is the run's Ray driver: it keeps one
   `exchange` call in flight per actor; each reply's request goes into that env stream's slot of the
-  inference server (the slot a worker process would own: `RowClient.post`), the sweep is answered in one
-  pass, and each answer leaves with the stream's next call. A step therefore costs one Ray call, whose
-  reply carries the observation and whose argument carries the action. Chunks go on to the trainer over
-  a pipe, as a worker process's do. The pump owns the actors: when it ends, Ray ends them.
+  inference server (the slot a worker process would own: `RowClient.post`), the server is woken once for
+  the sweep and answers it in one pass, and each answer leaves with the stream's next call. A step
+  therefore costs one Ray call, whose reply carries the observation and whose argument carries the
+  action. Chunks go on to the trainer over a pipe, as a worker process's do. The pump owns the actors: when it ends, Ray ends them.
+  torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
+  calls (requests and answers pass through queue actors) and its own server beside the run's.
 - `RayPool`, in the trainer: the worker pool's interface (`dreamer.workers.WorkerPool`) for `Ingest` and
   `dreamer.pipeline.WorkerSource`.
 
@@ -44,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -62,11 +66,36 @@ LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 class Reply:
     """What one `exchange` call returns: the next request, or the error that ended the actor's collection."""
 
-    request: torch.Tensor | None = None  # the request's row of bytes
+    request: np.ndarray | None = None  # the request's row of bytes
     chunk: Chunk | None = None  # the chunk finished since the last reply
     steps: int = 0  # collector steps finished since the last reply
     seconds: list[float] = field(default_factory=list)  # policy, env, step, loop since the last reply
     error: str | None = None
+
+
+@dataclass
+class Packed:
+    """A chunk's records as numpy arrays, from the actor through the pump to the trainer: Ray and a pipe
+    move an array as its bytes, where a tensor goes through torch's pickling (Ray) or into a shared memory
+    file of its own (a pipe: one per leaf and chunk, with a file descriptor to hand over)."""
+
+    batch_size: tuple
+    leaves: list[tuple]  # (key, array, the tensor's dtype where numpy has none: bfloat16 travels as int16)
+
+    @classmethod
+    def of(cls, records: TensorDictBase) -> Packed:
+        leaves = []
+        for key, value in records.items(include_nested=True, leaves_only=True):
+            odd = value.dtype == torch.bfloat16
+            leaves.append((key, (value.view(torch.int16) if odd else value).numpy(), value.dtype if odd else None))
+        return cls(tuple(records.batch_size), leaves)
+
+    def tensordict(self) -> TensorDict:
+        records = TensorDict(batch_size=self.batch_size)
+        for key, array, dtype in self.leaves:
+            value = torch.from_numpy(array if array.flags.writeable else array.copy())
+            records.set(key, value.view(dtype) if dtype is not None else value)
+        return records
 
 
 class _Closed(Exception):
@@ -95,6 +124,8 @@ class EnvWorker:
         self.request_rows, self.response_rows = Rows(request_spec(layout, size)), Rows(response_spec(layout, size))
         self._row = self.request_rows.allocate(1)
         self._in = self.request_rows.views(self._row)
+        self._answer = self.response_rows.allocate(1)  # the last answer, and its leaves' views
+        self._out = [(key[1], view) for key, view in self.response_rows.views(self._answer) if key[0] == "policy"]
         self._answers: queue.SimpleQueue = queue.SimpleQueue()  # exchange -> the collector's thread
         self._replies: queue.SimpleQueue = queue.SimpleQueue()  # the collector's thread -> exchange
         self._closed = threading.Event()
@@ -113,7 +144,7 @@ class EnvWorker:
 
         return ray.get_runtime_context().get_node_id(), socket.gethostname()
 
-    def exchange(self, answer: torch.Tensor | None) -> Reply:
+    def exchange(self, answer: np.ndarray | None) -> Reply:
         """Hands the collector the answer to its last request (None before the first) and returns its next
         request, after the env's step."""
         if answer is not None:
@@ -144,7 +175,8 @@ class EnvWorker:
                 records.append(record)
                 episodes += [Episode(index, e.score, e.length, e.truncated_by_fault, e.stats) for e in ended]
                 if len(records) >= self.chunk:
-                    self._finished = Chunk(index, torch.cat(records), episodes, collector.restarts - restarts)
+                    self._finished = Chunk(index, Packed.of(torch.cat(records)), episodes,
+                                           collector.restarts - restarts)
                     restarts = collector.restarts
                     records, episodes = [], []
         except _Closed:
@@ -168,14 +200,13 @@ class EnvWorker:
         total = [seconds["policy"], seconds["env"], seconds["step"], time.perf_counter()]
         delta = [now - then for now, then in zip(total, self._seconds)]  # the last one: the loop's time
         self._seconds = total
-        self._replies.put(Reply(self._row[0].clone(), self._finished, self._steps, delta))
+        self._replies.put(Reply(self._row[0].numpy().copy(), self._finished, self._steps, delta))
         self._finished, self._steps = None, 0
         answer = self._answers.get()
         if answer is None:
             raise _Closed
-        views = self.response_rows.views(answer.unsqueeze(0))
-        policy = {key[1]: view.clone() for key, view in views if key[0] == "policy"}
-        record.set("policy", TensorDict(policy, batch_size=record.batch_size))
+        self._answer[0].numpy()[:] = answer  # Ray hands it over read-only
+        record.set("policy", TensorDict({key: view.clone() for key, view in self._out}, batch_size=record.batch_size))
         return record
 
 
@@ -316,10 +347,14 @@ class _Pump:
             if ready:  # and every other call answered by now: one server pass for all of them
                 ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
             posted = []
-            for call in ready:
+            try:  # one call of Ray's for the sweep; one per reply where some actor failed
+                replies = ray.get(ready)
+            except RayError:
+                replies = None
+            for index, call in enumerate(ready):
                 stream = self.calls.pop(call)
                 try:
-                    reply: Reply = ray.get(call)
+                    reply: Reply = ray.get(call) if replies is None else replies[index]
                 except RayError as error:  # the actor died, its node is gone, or its reply was lost with it
                     self._replace(stream, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
                     continue
@@ -330,12 +365,14 @@ class _Pump:
                     self.sent += 1
                     self.deaths[stream] = 0
                 self._count(stream, reply)
-                self.clients[stream].post(reply.request)
+                self.clients[stream].post(reply.request, ring=False)
                 posted.append(stream)
+            if posted:
+                self.clients[posted[0]].ring()  # once for the sweep: the server's pass finds every request
             for stream in posted:
                 client = self.clients[stream]
                 before = client.served_seconds
-                answer = client.answer().clone()
+                answer = client.answer().numpy().copy()  # Ray passes an array as raw bytes, a tensor through pickle
                 self.served[stream] = client.served_seconds - before
                 self.calls[self.actors[stream].exchange.remote(answer)] = stream
                 self.sent_at[stream] = time.monotonic()
@@ -525,6 +562,7 @@ class RayPool:
             if message is None:
                 self._dead()
             elif isinstance(message, Chunk):
+                message.records = message.records.tensordict()
                 self.deaths = 0
                 self.restarts += message.env_restarts
                 self.taken.value += 1
@@ -567,15 +605,6 @@ class RayPool:
             return {}
         return {"collect/pump_busy": (cpu - last[2]) / (now - last[1])}
 
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User and system CPU seconds of process `pid` (Linux), None where they cannot be read."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
     def close(self, timeout: float = 20.0) -> None:
         """Stops the pump, which ends its actors and leaves the cluster; kills it after `timeout` s."""
         self._closing = True
@@ -597,3 +626,12 @@ def _cpu_seconds(pid: int) -> float | None:
         if self.pipe is not None and not self._reading:
             self.pipe.close()
             self.pipe = None
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process `pid` (Linux), None where they cannot be read."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
