@@ -7,8 +7,8 @@ Three parts:
   env in a thread of the actor, exactly as a worker process does. Its policy is a mailbox: each step's
   request (the record's leaves packed in one row of bytes, `dreamer.inference.Rows`) leaves as the
   reply of a call of `exchange`, and the next call brings its answer. Every `run.chunk` records the
-  finished chunk rides on a reply. Rows and chunks travel as numpy arrays (`Packed`), which Ray moves as
-  their bytes; tensors would go through torch's pickling.
+  finished chunk rides on a reply. Rows travel as bytes and chunks as numpy arrays (`Packed`), which Ray
+  moves as they are; tensors would go through torch's pickling.
 - The pump (`_pump_main`), a process of the trainer's node that is the run's Ray driver: it keeps one
   `exchange` call in flight per actor; each reply's request goes into that env stream's slot of the
   inference server (the slot a worker process would own: `RowClient.post`), the server is woken once for
@@ -66,7 +66,7 @@ LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 class Reply:
     """What one `exchange` call returns: the next request, or the error that ended the actor's collection."""
 
-    request: np.ndarray | None = None  # the request's row of bytes
+    request: bytes | None = None  # the request's row (`Rows` of the request spec)
     chunk: Chunk | None = None  # the chunk finished since the last reply
     steps: int = 0  # collector steps finished since the last reply
     seconds: list[float] = field(default_factory=list)  # policy, env, step, loop since the last reply
@@ -144,7 +144,7 @@ class EnvWorker:
 
         return ray.get_runtime_context().get_node_id(), socket.gethostname()
 
-    def exchange(self, answer: np.ndarray | None) -> Reply:
+    def exchange(self, answer: bytes | None) -> Reply:
         """Hands the collector the answer to its last request (None before the first) and returns its next
         request, after the env's step."""
         if answer is not None:
@@ -200,12 +200,12 @@ class EnvWorker:
         total = [seconds["policy"], seconds["env"], seconds["step"], time.perf_counter()]
         delta = [now - then for now, then in zip(total, self._seconds)]  # the last one: the loop's time
         self._seconds = total
-        self._replies.put(Reply(self._row[0].numpy().copy(), self._finished, self._steps, delta))
+        self._replies.put(Reply(self._row[0].numpy().tobytes(), self._finished, self._steps, delta))
         self._finished, self._steps = None, 0
         answer = self._answers.get()
         if answer is None:
             raise _Closed
-        self._answer[0].numpy()[:] = answer  # Ray hands it over read-only
+        self._answer[0].numpy()[:] = np.frombuffer(answer, np.uint8)
         record.set("policy", TensorDict({key: view.clone() for key, view in self._out}, batch_size=record.batch_size))
         return record
 
@@ -365,14 +365,14 @@ class _Pump:
                     self.sent += 1
                     self.deaths[stream] = 0
                 self._count(stream, reply)
-                self.clients[stream].post(reply.request, ring=False)
+                self.clients[stream].post(np.frombuffer(reply.request, np.uint8), ring=False)
                 posted.append(stream)
             if posted:
                 self.clients[posted[0]].ring()  # once for the sweep: the server's pass finds every request
             for stream in posted:
                 client = self.clients[stream]
                 before = client.served_seconds
-                answer = client.answer().numpy().copy()  # Ray passes an array as raw bytes, a tensor through pickle
+                answer = client.answer().numpy().tobytes()  # Ray packs bytes as they are, a tensor through pickle
                 self.served[stream] = client.served_seconds - before
                 self.calls[self.actors[stream].exchange.remote(answer)] = stream
                 self.sent_at[stream] = time.monotonic()
