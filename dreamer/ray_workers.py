@@ -14,7 +14,8 @@ Three parts:
   inference server (the slot a worker process would own: `RowClient.post`), the server is woken once for
   the sweep and answers it in one pass, and each answer leaves with the stream's next call. A step
   therefore costs one Ray call, whose reply carries the observation and whose argument carries the
-  action. Chunks go on to the trainer over a pipe, as a worker process's do. The pump owns the actors: when it ends, Ray ends them.
+  action. Chunks go on to the trainer over a pipe, as their bytes (a worker process's go through shared
+  memory). The pump owns the actors: when it ends, Ray ends them.
   torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
   calls (requests and answers pass through queue actors) and its own server beside the run's.
 - `RayPool`, in the trainer: the worker pool's interface (`dreamer.workers.WorkerPool`) for `Ingest` and
@@ -206,7 +207,8 @@ class EnvWorker:
         if answer is None:
             raise _Closed
         self._answer[0].numpy()[:] = np.frombuffer(answer, np.uint8)
-        record.set("policy", TensorDict({key: view.clone() for key, view in self._out}, batch_size=record.batch_size))
+        policy = {key: view.clone() for key, view in self._out}
+        record.set("policy", TensorDict(policy, batch_size=record.batch_size))
         return record
 
 
