@@ -18,6 +18,13 @@ unfinished runs from their checkpoints (the training command's own resume) and s
 so a set longer than one 10-minute GPU command is a chain of such commands. No run is started with less
 than `--min-start` seconds left (its compile warm-up would be lost).
 
+`--round-frames F` (with `--frames`): a resume starts every env's episode afresh, so a run whose command
+stopped within the last F frames of its length (F: one round of episodes, e.g. 16 envs x 1,000 frames) would
+end before its last episodes do, and its last training returns would come from a round or more earlier.
+The driver reads each run's pace from its records in this command (two records after its warm-up), and
+where the command would stop the run in that last round, it stops it early instead (SIGINT), a little more
+than F frames before its end, so that the next command makes the whole last round.
+
 Each start appends the code's commit (DREAMER_COMMIT if set, else git's HEAD) to the run folder's `commit`
 (scripts/learning_report.py prints it) and its output to `DIR/logs/<task>-seed<seed>.log`. A line per run
 says where it stands at the end.
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -40,17 +48,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def frames_reached(folder: Path) -> tuple[int, bool]:
-    """(env steps of the newest record, whether the run has finished: a final evaluation is recorded)."""
+    """(env steps of the newest record or checkpoint, whether the run has finished: a final evaluation is
+    recorded). A stopped run's checkpoint is newer than its last record (records come every run.log_every)."""
     path = folder / "metrics.jsonl"
     if not path.is_file():
         return 0, False
-    steps, done = 0, False
+    saved = [int(found.group(1)) for file in (folder / "checkpoints").glob("ckpt-*.pt")
+             if (found := re.fullmatch(r"ckpt-(\d+)\.pt", file.name))]
+    steps, done = max(saved, default=0), False
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
             steps = max(steps, record.get("env_steps", 0))
             done = done or record.get("kind") == "final_eval"
     return steps, done
+
+
+def newest_record(folder: Path) -> int:
+    """Env steps of the run's newest record (0: none yet)."""
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return max((json.loads(line).get("env_steps", 0) for line in lines if line.strip()), default=0)
 
 
 def agent_steps(args, task: str, overrides: list[str]) -> int:
@@ -64,6 +82,21 @@ def agent_steps(args, task: str, overrides: list[str]) -> int:
     cfg = compose_config([f"+exp={args.preset}", f"env.task={task}",
                           *[o for o in overrides if not o.startswith("hydra")]])
     return -(-args.frames // frames_per_step(cfg.env))
+
+
+def early_stop(steps: int, total: int, round_steps: int, pace: float | None, seconds_left: float) -> float | None:
+    """Seconds after which to stop a run now at `steps` of its `total` agent steps, so that its stop does
+    not fall within its last round (`round_steps`; module docstring); None: no early stop. `pace`: its agent
+    steps per second (None: not known yet); `seconds_left`: this command's. A stop within a margin (an
+    eighth of a round) of the round's edges counts as within it."""
+    if not round_steps or not pace or pace <= 0:
+        return None
+    margin = round_steps // 8
+    reach = steps + pace * seconds_left
+    target = total - round_steps - margin
+    if reach >= total + margin or reach <= target or target <= steps:
+        return None  # it finishes, stops before the last round, or already started within it
+    return (target - steps) / pace
 
 
 def commit() -> str:
@@ -86,6 +119,9 @@ def main() -> int:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once")
     parser.add_argument("--seconds", type=float, default=540, help="this command's budget; SIGINT to all at its end")
     parser.add_argument("--min-start", type=float, default=150, help="no run starts with less time than this left")
+    parser.add_argument("--round-frames", type=int, default=0,
+                        help="frames of one round of episodes (envs x an episode's frames): no command stops a run "
+                             "within its last round (module docstring); 0: off")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES",
                         help="a variant of every run: its name, a colon, then overrides separated by spaces "
                              "(repeat the option for more; each task x seed runs once per variant)")
@@ -99,6 +135,10 @@ def main() -> int:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if not tasks or not seeds or args.parallel < 1 or (args.steps or args.frames or 0) < 1:
         parser.error("give at least one task and one seed, --parallel >= 1 and --steps or --frames >= 1")
+    if args.round_frames and not args.frames:
+        parser.error("--round-frames counts frames: give the runs' length with --frames")
+    if args.round_frames < 0:
+        parser.error(f"--round-frames must be 0 (off) or positive, got {args.round_frames}")
     variants: list[tuple[str, tuple[str, ...]]] = []
     for given in args.variant:
         name, _, overrides = given.partition(":")
@@ -134,6 +174,8 @@ def main() -> int:
     print(f"[learn] {len(jobs) - len(waiting)} of {len(jobs)} runs finished; {len(waiting)} to go, "
           f"{args.parallel} at a time, {args.seconds:.0f} s", flush=True)
     running: dict[tuple, subprocess.Popen] = {}
+    seen: dict[tuple, list[tuple[float, int]]] = {}  # (clock, steps) of the records each run wrote in this command
+    early: dict[tuple, float] = {}  # the clock at which a run stops early (--round-frames); inf once signalled
     head = commit()
     stopping = False
     while waiting or running:
@@ -152,6 +194,7 @@ def main() -> int:
                        f"run.steps={run_steps[job]}", f"hydra.run.dir={folder.resolve()}", *overrides_of(job)]
             print(f"[learn] {label(job)}: {'resumes at ' + format(steps, ',') if steps else 'starts'} "
                   f"(run.steps={run_steps[job]:,} agent steps)", flush=True)
+            seen[job] = [(time.monotonic(), newest_record(folder))]  # its records from before this command
             log = (logs / f"{folder.name}.log").open("a")
             running[job] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -160,20 +203,43 @@ def main() -> int:
             break  # too little time left to start another
         if time.monotonic() >= deadline and not stopping:
             stopping = True
-            for process in running.values():
-                process.send_signal(signal.SIGINT)  # it saves a checkpoint and exits
+            for job, process in running.items():
+                if early.get(job) != math.inf:  # a second SIGINT would stop it at once, mid-save
+                    process.send_signal(signal.SIGINT)  # it saves a checkpoint and exits
             stopped_at = time.monotonic()
+        for job in running if args.round_frames and not stopping else ():
+            steps, records = newest_record(folder_of(job)), seen[job]
+            if steps <= records[-1][1]:
+                continue
+            records.append((time.monotonic(), steps))
+            if len(records) < 3 or job in early:  # the first new record's interval holds the warm-up
+                continue
+            (first_at, first), (last_at, last) = records[1], records[-1]
+            round_steps = -(-args.round_frames * run_steps[job] // args.frames)
+            after = early_stop(last, run_steps[job], round_steps, (last - first) / (last_at - first_at),
+                               deadline - last_at)
+            if after is not None:
+                early[job] = last_at + after
+                print(f"[learn] {label(job)}: stops in about {early[job] - time.monotonic():.0f} s, at about "
+                      f"{last + after * (last - first) / (last_at - first_at):,.0f} agent steps, before its last "
+                      f"round of {round_steps:,} (its next command makes that round whole)", flush=True)
+        for job, at in list(early.items()):
+            if job in running and time.monotonic() >= at and not stopping:
+                running[job].send_signal(signal.SIGINT)  # before its last round; the deadline's kill covers it
+                early[job] = math.inf  # signalled: never again (a second SIGINT stops a run at once)
         if stopping and time.monotonic() - stopped_at > 120:
             for process in running.values():
                 process.kill()
         for job, process in list(running.items()):
             if process.poll() is not None:
                 del running[job]
+                early.pop(job, None)
                 steps, done = frames_reached(folder_of(job))
                 state = "finished" if done else ("stopped to resume" if process.returncode == 0 else
                                                  f"exited with code {process.returncode} (see its log)")
                 print(f"[learn] {label(job)}: {state} at {steps:,} env steps", flush=True)
-        time.sleep(1)
+        soonest = min(early.values(), default=math.inf) - time.monotonic()
+        time.sleep(min(1.0, max(0.02, soonest)))  # an early stop on time, not up to a second late
     finished = sum(frames_reached(folder_of(job))[1] for job in jobs)
     print(f"[learn] {finished} of {len(jobs)} runs finished"
           + ("" if finished == len(jobs) else "; run the same command again to go on"), flush=True)

@@ -206,7 +206,8 @@ case "${1:-}" in
     fi
     ;;
   learn-dmc | learn-smoke)
-    # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set (MPS: see start_mps); runs go
+    # LEARN_PRESET, LEARN_TASKS, LEARN_SEEDS, LEARN_SECONDS, LEARN_PARALLEL, LEARN_VARIANTS override the set
+    # (LEARN_ROUND_FRAMES too, below; MPS: see start_mps); runs go
     # to $OUT/<group>/. LEARN_DIAGNOSE=1: after the set's command, scripts/diagnose_learning.py on each run.
     # LEARN_ARCHIVE=FILE.tgz: then every run's records (metrics, config, commit, logs, diagnoses; no checkpoints)
     # in one archive, e.g. under a GPU machine's $OUT. A finished run's folder holding only its records is
@@ -222,7 +223,10 @@ case "${1:-}" in
       # per run (agent steps x the preset's action repeat).
       preset=${LEARN_PRESET:-dmc_proprio_paper}
       tasks=${LEARN_TASKS:-walker_walk,cartpole_swingup,cartpole_balance,reacher_easy,finger_spin,ball_in_cup_catch}
-      set_args=(--frames "${LEARN_FRAMES:-100000}" --seconds "${LEARN_SECONDS:-540}" -- run.log_every=2000)
+      # LEARN_ROUND_FRAMES: one round of the runs' episodes (16 envs x 1,000 frames); no command stops a run
+      # within its last round (learn.py --round-frames), so its last training returns end at its length.
+      set_args=(--frames "${LEARN_FRAMES:-100000}" --seconds "${LEARN_SECONDS:-540}"
+                --round-frames "${LEARN_ROUND_FRAMES:-16000}" -- run.log_every=2000)
       points=50000,100000
     else
       preset=${LEARN_PRESET:-dmc_proprio}

@@ -266,3 +266,94 @@ def test_the_table_of_learning_md_is_what_its_recorded_runs_give(tmp_path):
     assert runs >= 6
     # The header and rule, a row per run, and per task (six) the mean's row and the reference's.
     assert len(rows) == 2 + runs + 6 * 2 and all(row in committed for row in rows)
+
+
+@pytest.mark.parametrize("steps, pace, left, expected", [
+    (400, None, 12, None),  # a run's first command: its pace is not known yet
+    (400, 48.0, 30, None),  # it finishes in this command, with room to spare
+    (400, 48.0, 3, None),  # it stops before its last round anyway (at 544 of 1,000; the round starts at 600)
+    (400, 48.0, 5, (550 - 400) / 48.0),  # it would stop at 640, within the last round: stopped at 550 instead
+    (400, 48.0, 12, (550 - 400) / 48.0),  # it would stop at 976: stopped at 550 instead
+    (400, 48.0, 13, (550 - 400) / 48.0),  # 1,024 is within the margin of finishing: not trusted to finish
+    (580, 48.0, 12, None),  # it starts within the round's margin: nothing to gain
+])
+def test_a_command_that_would_stop_a_run_within_its_last_round_stops_it_before_instead(steps, pace, left, expected):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from learn import early_stop
+
+    after = early_stop(steps, 1000, 400, pace, left)  # a round of 400 agent steps, a margin of 50
+    assert after == pytest.approx(expected) if expected is not None else after is None
+
+
+FAKE_TRAINER = '''
+import json, signal, sys, time
+from pathlib import Path
+# Stands in for `python -m dreamer.train`: advances its env steps at FAKE_PACE per second from the last
+# record in its folder, exits 0 on SIGINT, and records a final evaluation once it reaches run.steps.
+args = dict(a.split("=", 1) for a in sys.argv[3:] if "=" in a)
+folder, total, pace = Path(args["hydra.run.dir"]), int(args["run.steps"]), float(sys.argv[-1].split("=")[1])
+metrics = folder / "metrics.jsonl"
+lines = metrics.read_text().splitlines() if metrics.is_file() else []
+steps = max([json.loads(line)["env_steps"] for line in lines] or [0])
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+begin, first = time.monotonic(), steps
+while not stop and steps < total:
+    time.sleep(0.05)
+    steps = min(total, int(first + pace * (time.monotonic() - begin)))
+    with metrics.open("a") as handle:
+        handle.write(json.dumps({"kind": "train", "env_steps": steps}) + "\\n")
+if steps >= total:
+    with metrics.open("a") as handle:
+        handle.write(json.dumps({"kind": "final_eval", "env_steps": steps}) + "\\n")
+'''
+
+
+def test_the_driver_stops_a_run_before_its_last_round_once_it_knows_the_runs_pace(tmp_path):
+    """scripts/learn.py's `--round-frames` with a fake trainer (the only faked part: `--python` runs a script
+    that advances its steps at 50 per second, writes a record every 50 ms and obeys SIGINT as dreamer.train
+    does): a command that would stop the run within its last round stops it before, and the next command
+    makes that round whole."""
+    fake = tmp_path / "fake_trainer.py"
+    fake.write_text(FAKE_TRAINER)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {fake} \"$@\" pace=50\n")
+    python.chmod(0o755)
+
+    def command(seconds: float) -> str:
+        done = subprocess.run(
+            [sys.executable, "scripts/learn.py", "--dir", str(tmp_path / "set"), "--preset", "dmc_proprio_paper",
+             "--tasks", "cartpole_balance", "--seeds", "0", "--frames", "2000", "--round-frames", "800",
+             "--seconds", str(seconds), "--min-start", "0", "--python", str(python)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def reached() -> int:  # the repeat of 2: 2,000 frames are 1,000 agent steps, a round of 800 frames 400
+        lines = (tmp_path / "set" / "cartpole_balance-seed0" / "metrics.jsonl").read_text().splitlines()
+        return max(json.loads(line)["env_steps"] for line in lines)
+
+    first = command(11)
+    start = reached()
+    assert "stops in" not in first and 0 < start < 520, first  # it stops before the last round (600 on) anyway
+    # A command that would take it to about 900 (less the driver's own start-up, composing the config, a few
+    # seconds): within the last round, so the driver stops it at about 550 (a margin of 50) instead.
+    second = command((900 - start) / 50 + 3)
+    assert "stops in about" in second and "before its last round of 400" in second, second
+    assert start < reached() <= 600, second
+    third = command(30)
+    assert "1 of 1 runs finished" in third and reached() == 1000, third
+
+
+def test_a_stopped_runs_steps_are_its_newest_checkpoints(tmp_path):
+    """A SIGINT saves a checkpoint between two records (records come every run.log_every): the driver counts
+    from the checkpoint's steps (its file name), not from the record before it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from learn import frames_reached
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train", "env_steps": 2000}) + "\n")
+    assert frames_reached(tmp_path) == (2000, False)
+    (tmp_path / "checkpoints").mkdir()
+    for name in ("ckpt-000000003172.pt", "ckpt-000000002000.pt", "ckpt-000000009999.pt.tmp"):
+        (tmp_path / "checkpoints" / name).write_bytes(b"")
+    assert frames_reached(tmp_path) == (3172, False)
