@@ -76,27 +76,19 @@ class Reply:
 
 @dataclass
 class Packed:
-    """A chunk's records as numpy arrays, from the actor through the pump to the trainer: Ray and a pipe
-    move an array as its bytes, where a tensor goes through torch's pickling (Ray) or into a shared memory
-    file of its own (a pipe: one per leaf and chunk, with a file descriptor to hand over)."""
+    """A chunk's records as numpy arrays (tensordict's own `numpy()`), from the actor through the pump to the
+    trainer: Ray and a pipe move an array as its bytes, where a tensor goes through torch's pickling (Ray)
+    or into a shared memory file of its own (a pipe: one per leaf and chunk, with a descriptor to hand over)."""
 
     batch_size: tuple
-    leaves: list[tuple]  # (key, array, the tensor's dtype where numpy has none: bfloat16 travels as int16)
+    arrays: dict  # the records' leaves as numpy arrays, nested as the records' keys
 
     @classmethod
     def of(cls, records: TensorDictBase) -> Packed:
-        leaves = []
-        for key, value in records.items(include_nested=True, leaves_only=True):
-            odd = value.dtype == torch.bfloat16
-            leaves.append((key, (value.view(torch.int16) if odd else value).numpy(), value.dtype if odd else None))
-        return cls(tuple(records.batch_size), leaves)
+        return cls(tuple(records.batch_size), records.numpy())
 
     def tensordict(self) -> TensorDict:
-        records = TensorDict(batch_size=self.batch_size)
-        for key, array, dtype in self.leaves:
-            value = torch.from_numpy(array if array.flags.writeable else array.copy())
-            records.set(key, value.view(dtype) if dtype is not None else value)
-        return records
+        return TensorDict(self.arrays, batch_size=self.batch_size)
 
 
 class _Closed(Exception):

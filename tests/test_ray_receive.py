@@ -48,10 +48,10 @@ def test_a_replacement_read_after_its_streams_chunk_ends_the_stream_after_that_c
 
 
 def test_packed_records_come_back_as_they_were_through_a_pipe():
-    """A chunk's records as the actors send them (numpy arrays): every leaf back with its key, dtype
-    (bfloat16 included) and values, writable, after the pipe between the pump and the trainer."""
+    """A chunk's records as the actors send them (numpy arrays): every leaf back with its key, dtype and
+    values, writable, after the pipe between the pump and the trainer."""
     records = TensorDict({"observation": torch.randint(0, 255, (8, 3, 4, 4), dtype=torch.uint8),
-                          "belief": torch.randn(8, 5).to(torch.bfloat16), "is_init": torch.rand(8) > 0.5,
+                          "belief": torch.randn(8, 5), "is_init": torch.rand(8) > 0.5,
                           "next": {"reward": torch.randn(8), "done": torch.zeros(8, 1, dtype=torch.bool)}},
                          batch_size=[8])
     reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
