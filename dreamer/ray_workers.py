@@ -624,8 +624,5 @@ class RayPool:
 
 def _cpu_seconds(pid: int) -> float | None:
     """User and system CPU seconds of process `pid` (Linux), None where they cannot be read."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = reaper.stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None

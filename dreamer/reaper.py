@@ -64,12 +64,19 @@ def bind(trainer: int) -> None:
     _name_semaphores(trainer)
 
 
-def _parent_of(pid: int) -> int | None:
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state first: field 3 of proc(5) is index 0),
+    or None when there is no such process (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def _parent_of(pid: int) -> int | None:
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def trainer_gone() -> bool:
@@ -127,11 +134,8 @@ def kill_same(pids: dict[int, str]) -> None:
 
 def started_at(pid: int) -> str | None:
     """The start time of process `pid` (ticks since boot), or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return fields[19] if fields else None
 
 
 def _reap(trainer: int) -> None:
