@@ -271,17 +271,19 @@ def test_the_table_of_learning_md_is_what_its_recorded_runs_give(tmp_path):
 @pytest.mark.parametrize("steps, pace, left, expected", [
     (400, None, 12, None),  # a run's first command: its pace is not known yet
     (400, 48.0, 30, None),  # it finishes in this command, with room to spare
-    (400, 48.0, 3, None),  # it stops before its last round anyway (at 544 of 1,000; the round starts at 600)
-    (400, 48.0, 5, (550 - 400) / 48.0),  # it would stop at 640, within the last round: stopped at 550 instead
-    (400, 48.0, 12, (550 - 400) / 48.0),  # it would stop at 976: stopped at 550 instead
-    (400, 48.0, 13, (550 - 400) / 48.0),  # 1,024 is within the margin of finishing: not trusted to finish
-    (580, 48.0, 12, None),  # it starts within the round's margin: nothing to gain
+    (400, 48.0, 2, None),  # it stops before its last round anyway (at 496 of 1,000; the round starts at 600)
+    (400, 48.0, 3, (500 - 400) / 48.0),  # it would stop at 544, within the margin before the round: at 500
+    (400, 48.0, 5, (500 - 400) / 48.0),  # it would stop at 640, within the last round: stopped at 500 instead
+    (400, 48.0, 12, (500 - 400) / 48.0),  # it would stop at 976: stopped at 500 instead
+    (400, 48.0, 13, (500 - 400) / 48.0),  # 1,024 is within the margin of finishing: not trusted to finish
+    (400, 48.0, 15, None),  # 1,120: past the margin, it finishes
+    (520, 48.0, 12, None),  # it starts within the round's margin: nothing to gain
 ])
 def test_a_command_that_would_stop_a_run_within_its_last_round_stops_it_before_instead(steps, pace, left, expected):
     sys.path.insert(0, str(ROOT / "scripts"))
     from learn import early_stop
 
-    after = early_stop(steps, 1000, 400, pace, left)  # a round of 400 agent steps, a margin of 50
+    after = early_stop(steps, 1000, 400, pace, left)  # a round of 400 agent steps, a margin of 100
     assert after == pytest.approx(expected) if expected is not None else after is None
 
 
@@ -337,7 +339,7 @@ def test_the_driver_stops_a_run_before_its_last_round_once_it_knows_the_runs_pac
     start = reached()
     assert "stops in" not in first and 0 < start < 520, first  # it stops before the last round (600 on) anyway
     # A command that would take it to about 900 (less the driver's own start-up, composing the config, a few
-    # seconds): within the last round, so the driver stops it at about 550 (a margin of 50) instead.
+    # seconds): within the last round, so the driver stops it at about 500 (a margin of 100) instead.
     second = command((900 - start) / 50 + 3)
     assert "stops in about" in second and "before its last round of 400" in second, second
     assert start < reached() <= 600, second
