@@ -158,6 +158,16 @@ class RowClient:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_in": None, "_out": None}
 
+    def without_errors(self) -> RowClient:
+        """A copy without the slot's error queue, for a process that holds many clients (the Ray pump):
+        each queue is a pipe, two descriptors in the pickle, and a forkserver start passes at most 252
+        (multiprocessing's limit), which 126 slots reach. Its failed request raises a RuntimeError naming
+        the slot; the server's process prints the error itself (`KillSafeSlotTransport.resolve_exception`)."""
+        copy = RowClient.__new__(RowClient)
+        copy.__dict__.update(self.__getstate__())
+        copy.errors = None
+        return copy
+
     def ask(self, request: TensorDictBase) -> list[tuple]:
         """The answer's [(key, view)] in the slot's response row [1, ...]: valid until the next request.
         `request` holds the request's leaves, with or without a batch dimension of 1."""
@@ -209,6 +219,9 @@ class RowClient:
             self.wake_seconds += woke - answered
         self.doorbell.clear()
         if self.status[slot]:
+            if self.errors is None:
+                raise RuntimeError(f"the inference server failed on slot {slot}'s request; its error is in the "
+                                   "trainer's output")
             raise self.errors.get()
 
     def __call__(self, request: TensorDictBase) -> TensorDict:
@@ -257,6 +270,13 @@ class KillSafeSlotTransport(ProcessSlotTransport):
             raise RuntimeError(f"all {self._num_slots} slots have clients")
         self._next_client_slot += 1
         return RowClient(self, slot)
+
+    def resolve_exception(self, callback: int, exc: BaseException) -> None:
+        """torchrl's loop hands a failed pass's error to each of its slots: printed here too, in the server's
+        process, for clients that take no error queue (`RowClient.without_errors`)."""
+        print(f"dreamer: the inference server failed on slot {callback}'s request: {exc!r}", file=sys.stderr,
+              flush=True)
+        super().resolve_exception(callback, exc)
 
     def ring(self, slots: list[int]) -> None:
         """Wakes the workers of `slots`, their answers written."""

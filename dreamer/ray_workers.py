@@ -55,7 +55,7 @@ from tensordict import TensorDict, TensorDictBase
 from dreamer import reaper
 from dreamer.agent import EnvLayout, ModelSize
 from dreamer.collect import CollectionError, Collector, Episode
-from dreamer.inference import Rows, request_spec, response_spec
+from dreamer.inference import RowClient, Rows, request_spec, response_spec
 from dreamer.workers import TIMES, Chunk, first_env, worker_context
 
 # Bytes of Ray's object store on a local cluster, where the actors' chunks wait for the pump: room for a
@@ -247,7 +247,7 @@ class _Pump:
     """The pump's loop (module docstring): one `exchange` in flight per actor."""
 
     def __init__(self, actor_class, args: tuple, clients: list, writer: Connection, stop, max_restarts: int,
-                 stall_seconds: float, stepped, times, taken, options: dict, suite: str):
+                 stall_seconds: float, stepped, times, taken, options: dict, suite: str, began: float | None = None):
         self.actor_class, self.args, self.clients, self.writer, self.stop = actor_class, args, clients, writer, stop
         # Backpressure, as a worker process's full pipe gives it: at most one chunk per env stream sent and
         # not yet taken by the trainer (`taken`, shared); beyond that the pump stops answering and the
@@ -265,6 +265,8 @@ class _Pump:
         self.hosts: dict[int, str] = {}
         self.announced = False
         self.started = time.monotonic()
+        self.began = began if began is not None else self.started  # the pump's start, before Ray's
+        self.connected = self.started  # Ray's start done (the pump is made after it)
 
     def _start(self, stream: int) -> None:
         env_cfg, seed, layout, size, chunk, max_restarts = self.args
@@ -311,7 +313,10 @@ class _Pump:
             for host in self.hosts.values():
                 counts[host] = counts.get(host, 0) + 1
             where = ", ".join(f"{host} ({count})" for host, count in sorted(counts.items()))
-            self.writer.send(Note(f"{len(self.actors)} Ray env workers on {len(counts)} node(s): {where}"))
+            now = time.monotonic()
+            self.writer.send(Note(f"{len(self.actors)} Ray env workers on {len(counts)} node(s): {where}; all placed "
+                                  f"{now - self.began:.1f} s after the pump's start (Ray's own start "
+                                  f"{self.connected - self.began:.1f} s)"))
             self.announced = True
         elif not self.announced and time.monotonic() - self.started > 60:
             resources = ray.available_resources()
@@ -411,6 +416,7 @@ def _pump_main(address: str | None, options: dict, args: tuple, clients: list, w
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     torch.set_num_threads(1)
     pump = None
+    began = time.monotonic()
     try:
         import ray
 
@@ -420,7 +426,7 @@ def _pump_main(address: str | None, options: dict, args: tuple, clients: list, w
             # agents outlive a killed raylet). The trainer ends what is left (`RayPool`, `dreamer.reaper`).
             writer.send(Cluster({pid: reaper.started_at(pid) for pid in reaper.descendants(os.getpid())}))
         pump = _Pump(ray.remote(EnvWorker), args, clients, writer, stop, max_restarts, stall_seconds, stepped,
-                     times, taken, options, suite)
+                     times, taken, options, suite, began)
         pump.run()
     except CollectionError as error:
         _send(writer, str(error))
@@ -463,7 +469,9 @@ class RayPool:
                  env_memory_gb: float = 0.0, forget_slot: Callable[[int], None] | None = None,
                  announce: Callable[[str], None] | None = print):
         reaper.guard()
-        self.clients, self.suite, self.max_restarts = clients, suite, max_restarts
+        # Without their error queues: the pump's start passes every descriptor of its arguments at once.
+        self.clients = [client.without_errors() if isinstance(client, RowClient) else client for client in clients]
+        self.suite, self.max_restarts = suite, max_restarts
         self.on_restart, self.forget_slot, self.announce = on_restart, forget_slot, announce
         self.address, self.stall_seconds = address, stall_seconds
         self.args = (env_cfg, seed, layout, size, chunk, max_restarts)

@@ -187,9 +187,10 @@ case "${1:-}" in
   ray)
     # Collecting only (no update: run.train_start past the run), the server on one intra-op thread, each run
     # SIGINTed after RAY_SECONDS; scripts/run_figures.py --collecting gives its env steps/s. Replay: 200K records
-    # (at 256 envs still 781 per stream).
+    # (at 256 envs still 781 per stream). A Ray run needs the longer time: on the H100 machine 90 s left a run of
+    # 64 actors 7 s of collecting after its start-up (the placement line says how long Ray's start took).
     collect_run() {  # collect_run SOURCE ENVS
-      timeout --foreground --signal=INT -k 60 "${RAY_SECONDS:-100}" $PY -m dreamer.train +exp=minecraft env=emulated \
+      timeout --foreground --signal=INT -k 60 "${RAY_SECONDS:-200}" $PY -m dreamer.train +exp=minecraft env=emulated \
         run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=1 \
         run.collect="$1" run.envs="$2" hydra.run.dir="$OUT/ray-$1-$2-run" > "$OUT/ray-$1-$2.log" 2>&1 || true
       rm -rf "$OUT/ray-$1-$2-run/checkpoints"

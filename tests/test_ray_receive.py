@@ -106,3 +106,47 @@ def test_pump_busy_is_the_pumps_cpu_time_over_the_wall_time():
         busy = pool.stats()["collect/pump_busy"]
         assert low <= busy <= high, (target, busy)
         pool.process.join()
+
+
+def _transport(slots: int):
+    from dreamer.inference import KillSafeSlotTransport
+
+    request = TensorDict(observation=torch.zeros(3))
+    response = TensorDict(policy=TensorDict(action=torch.zeros(2)), policy_version=torch.zeros((), dtype=torch.long))
+    return KillSafeSlotTransport(request, response, num_slots=slots)
+
+
+def test_the_pumps_start_takes_the_clients_of_many_streams():
+    """The pump is started with every stream's client, and a forkserver start passes at most 252 descriptors:
+    with each slot's error queue (a pipe, two descriptors) the 128 streams of a GPU run failed with "too many
+    fds". The pool's clients leave their queues behind (`RowClient.without_errors`)."""
+    transport = _transport(200)
+    clients = [transport.client() for _ in range(200)]
+    context = multiprocessing.get_context("forkserver")
+    whole = context.Process(target=len, args=(clients,))
+    try:
+        whole.start()
+    except ValueError as error:  # what the pump's start met
+        assert "too many fds" in str(error)
+    else:
+        whole.join(30)
+        raise AssertionError("a start with 200 error queues passed: the limit this test guards is gone")
+    pool = RayPool({}, 0, None, None, clients, announce=None)
+    child = context.Process(target=len, args=(pool.clients,))  # the child unpickles them all, then len()s them
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
+def test_a_client_without_its_error_queue_names_its_slot_when_the_server_fails(capfd):
+    transport = _transport(2)
+    client = transport.client().without_errors()
+    client.post(torch.zeros(client.request_rows.width, dtype=torch.uint8))
+    transport.resolve_exception(0, ValueError("the policy's input is wrong"))
+    try:
+        client.answer()
+    except RuntimeError as error:
+        assert "slot 0's request" in str(error)
+    else:
+        raise AssertionError("a failed request returned an answer")
+    assert "ValueError(\"the policy's input is wrong\")" in capfd.readouterr().err
