@@ -108,6 +108,10 @@ class LossSettings:
     # linear in raw values; torchrl's functions), or "symlog", its symlog_and_twohot alternative (the
     # target and the expectation in symlog space, then symexp).
     two_hot: str = "symexp"  # the default also for a run folder whose config.yaml predates the setting
+    # How the actor learns (dreamer.losses.Losses): "reinforce", the reference's current agent for every
+    # action (log pi times the normalized advantage), or "backprop", its earlier agent's way for continuous
+    # actions (the normalized λ-return itself, differentiated through the frozen model's imagined steps).
+    actor_grad: str = "reinforce"
 
 
 @dataclass(frozen=True)

@@ -450,12 +450,19 @@ def _leaves(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
+# Settings added after runs were made, at the value the code before them had: a run folder whose config.yaml
+# predates one continues at that value, the same experiment.
+ADDED_SETTINGS = {"loss.two_hot": "symexp", "loss.actor_grad": "reinforce"}
+
+
 def experiment_changes(old: dict, new: dict) -> list[str]:
     """`key: old -> new` for each setting that changes the experiment (anything but RUN_SETTINGS)."""
     before, after = _leaves(old), _leaves(new)
     changes = []
     for key in sorted(set(before) | set(after)):
         if any(key == s or key.startswith(s + ".") for s in RUN_SETTINGS):
+            continue
+        if key not in before and key in ADDED_SETTINGS and after.get(key) == ADDED_SETTINGS[key]:
             continue
         if before.get(key, "<unset>") != after.get(key, "<unset>"):
             changes.append(f"{key}: {before.get(key, '<unset>')} -> {after.get(key, '<unset>')}")

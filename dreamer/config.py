@@ -195,7 +195,8 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
            "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
-           "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog")}
+           "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"),
+           "loss.actor_grad": ("reinforce", "backprop")}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

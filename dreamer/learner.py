@@ -240,7 +240,7 @@ class Learner:
         self.params = list(nets.trained.parameters())
         self.optimizer = LaProp(self.params, optimizer)
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
-        self.scan = Scan(nets, self.layout, self.size, self.device)
+        self.scan = Scan(nets, self.layout, self.size, self.device, frozen_prior=loss.actor_grad == "backprop")
         self._embed = _Compiled(self.scan.embed_fn, self._report)
         self._cell = _Compiled(self.scan.cell_fn, self._report)
         self._imagine = _Compiled(self.scan.imagine_fn, self._report)
@@ -322,8 +322,8 @@ class Learner:
             beliefs, states, post_logits = torch.stack(beliefs), torch.stack(states), torch.stack(logits)
             records = [torch.stack(column) for column in zip(*records)]
 
-            # Imagination from every posterior state, without autograd; rows in (b, t) order.
-            with torch.no_grad():
+            # Imagination from every posterior state, rows in (b, t) order; autograd only for actor_grad=backprop.
+            with torch.set_grad_enabled(self.settings.actor_grad == "backprop"):
                 s = states.detach().transpose(0, 1).reshape(-1, states.shape[-1])
                 b = beliefs.detach().transpose(0, 1).reshape(-1, beliefs.shape[-1])
                 img_s, img_b, img_a = [s], [b], []

@@ -15,6 +15,7 @@ from torchrl.objectives import symexp, symlog
 from torchrl.objectives.dreamer_v3 import categorical_kl_terms
 
 from dreamer.agent import IMAGE_KEY, EnvLayout, LossSettings, ModelSize, Networks
+from dreamer.scan import frozen_call
 
 
 def lambda_returns(reward, next_value, done, terminated, gamma: float, lmbda: float) -> torch.Tensor:
@@ -164,6 +165,11 @@ class Losses:
     def __init__(self, nets: Networks, layout: EnvLayout, size: ModelSize, settings: LossSettings,
                  device: torch.device):
         self.nets, self.layout, self.size, self.settings = nets, layout, size, settings
+        if settings.actor_grad not in ("reinforce", "backprop"):
+            raise ValueError(f"loss.actor_grad must be reinforce or backprop, not {settings.actor_grad!r}")
+        if settings.actor_grad == "backprop" and layout.discrete:
+            raise ValueError("loss.actor_grad=backprop differentiates continuous actions; this env's are discrete "
+                             "(use loss.actor_grad=reinforce)")
         bins = _default_bins(size.bins, device=device)
         self.reward_twohot = TwoHot(bins, settings.two_hot)
         self.value_twohot = TwoHot(bins, settings.two_hot)
@@ -257,6 +263,8 @@ class Losses:
     def _behaviour(self, img_states, img_beliefs, img_actions):
         """The actor's and the critic's losses on imagined states 0..H (actions 0..H-1); also the λ-returns
         [N, H, 1] (the replay value's bootstrap) and the metrics of imagination."""
+        if self.settings.actor_grad == "backprop":
+            return self._behaviour_backprop(img_states, img_beliefs, img_actions)
         nets, settings = self.nets, self.settings
         with torch.no_grad():  # targets: no gradient
             next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
@@ -292,6 +300,47 @@ class Losses:
             "continuation_mean": continuation.mean(),
             "value_slow_loss": slow_loss.detach(),
             "reward_imagined": reward.mean(),
+        }
+        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
+
+    def _behaviour_backprop(self, img_states, img_beliefs, img_actions):
+        """`_behaviour` for loss.actor_grad=backprop: imagination ran with autograd (the actor's actions through
+        the frozen prior), and the actor maximizes the normalized λ-return itself, read through the frozen
+        reward head and critic, plus the entropy bonus; the critic learns on the states detached. The
+        reference's agent before its 2024 rewrite learned continuous actions this way (LEARNING.md)."""
+        nets, settings = self.nets, self.settings
+        next_s, next_b = img_states[:, 1:], img_beliefs[:, 1:]
+        reward = self.reward_twohot.mean(frozen_call(nets.reward_head, next_s, next_b)).unsqueeze(-1)
+        next_value = self.value_twohot.mean(frozen_call(nets.critic_head, next_s, next_b)).unsqueeze(-1)
+        states, beliefs = img_states.detach(), img_beliefs.detach()
+        root_s, root_b = states[:, :-1], beliefs[:, :-1]
+        with torch.no_grad():
+            continuation_all = torch.sigmoid(nets.continue_head(states, beliefs))
+            continuation = continuation_all[:, 1:]
+            weight = imagination_weights(continuation_all, self.gamma)
+        returns = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
+        lambda_target = returns.detach()
+        with torch.no_grad():
+            self.return_norm.update(lambda_target)
+            scale = self.return_norm.scale().squeeze(-1)
+            baseline = self.value_twohot.mean(self._critic(root_s, root_b)).unsqueeze(-1)
+        _, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions.detach())
+        entropy = (weight * entropy).mean()
+        actor = -(weight * (returns - baseline) / scale).mean() - settings.entropy * entropy
+
+        value_logits = self._critic(root_s, root_b)
+        with torch.no_grad():
+            slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
+        critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
+                                        weight.squeeze(-1), settings.slow_critic)
+        metrics = {
+            "actor_entropy": entropy.detach(),
+            "return_low": self.return_norm.low.squeeze(-1).clone(),
+            "return_high": self.return_norm.high.squeeze(-1).clone(),
+            "return_scale": scale.detach(),
+            "continuation_mean": continuation.mean(),
+            "value_slow_loss": slow_loss.detach(),
+            "reward_imagined": reward.detach().mean(),
         }
         return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
 

@@ -20,10 +20,15 @@ from dreamer.agent import EnvLayout, ModelSize, Networks
 class Scan:
     """The tapped RSSM of `nets`: its cell, its block GRU, the tapped weights' gradients, imagination."""
 
-    def __init__(self, nets: Networks, layout: EnvLayout, size: ModelSize, device: torch.device):
+    def __init__(self, nets: Networks, layout: EnvLayout, size: ModelSize, device: torch.device,
+                 frozen_prior: bool = False):
         self.nets, self.layout, self.size, self.device = nets, layout, size, device
         self.specs = self.tap_specs()
         self.eps = nets.prior.rnn.belief_projection[1].eps
+        # loss.actor_grad=backprop: imagination runs with autograd, its actions carrying the actor's gradient;
+        # the prior then reads its untapped parameters detached too, so that the actor's loss moves only
+        # the actor (the tapped weights are detached casts already).
+        self.frozen_prior = frozen_prior
 
     def tap_specs(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter | None, int]]:
         """(kind, weight, bias, width of the output) of each tapped operation of the scan, in order."""
@@ -182,11 +187,21 @@ class Scan:
 
     def prior_step(self, state, belief, action, uniform, weights):
         """Imagination: one prior step with a given uniform draw."""
-        rnn = self.nets.prior.rnn
-        action_features = rnn.action_projection(action / action.detach().abs().clamp_min(1))
+        rnn, call = self.nets.prior.rnn, frozen_call if self.frozen_prior else _call
+        action_features = call(rnn.action_projection, action / action.detach().abs().clamp_min(1))
         taps = [None] * len(weights)
         belief, _ = self.gru(state, belief, action_features, weights, taps, None)
-        logits = self.nets.prior.rnn_to_prior_projector(belief)
+        logits = call(self.nets.prior.rnn_to_prior_projector, belief)
         logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
         state = _straight_through_categorical(logits, self.nets.prior.unimix, uniform)
         return state.flatten(-2), belief
+
+
+def _call(module: torch.nn.Module, *inputs):
+    return module(*inputs)
+
+
+def frozen_call(module: torch.nn.Module, *inputs):
+    """`module(*inputs)` with its parameters detached: gradients reach the inputs, never the parameters."""
+    params = {name: param.detach() for name, param in module.named_parameters()}
+    return torch.func.functional_call(module, params, inputs)

@@ -156,6 +156,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
 
     eval_env = make_env(cfg.env, cfg.seed + EVAL_SEED_OFFSET)
     layout = EnvLayout.from_specs(eval_env.observation_spec, eval_env.action_spec)
+    if settings.loss.actor_grad == "backprop" and layout.discrete:
+        raise ConfigError(f"loss.actor_grad=backprop differentiates continuous actions, and {cfg.env.suite} "
+                          f"{cfg.env.task}'s are discrete: use loss.actor_grad=reinforce")
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size)

@@ -337,3 +337,16 @@ def test_a_snapshot_racing_inserts_returns_consecutive_records_the_replay_held()
     t = records.get("t").tolist()
     assert count == 10 and first == 5 and t == [float(p) for p in range(5, 10)]
     replay.close()
+
+
+def test_a_setting_added_since_a_run_was_made_is_no_change_at_the_value_the_run_had():
+    """A run folder whose config.yaml predates `loss.actor_grad` ran REINFORCE, as `reinforce` does: its
+    resume is the same experiment; `backprop` is another one."""
+    from dreamer.checkpoint import experiment_changes
+
+    old = {"loss": {"entropy": 3e-4}, "seed": 0}
+    assert experiment_changes(old, {"loss": {"entropy": 3e-4, "actor_grad": "reinforce"}, "seed": 0}) == []
+    assert experiment_changes(old, {"loss": {"entropy": 3e-4, "actor_grad": "backprop"}, "seed": 0}) == [
+        "loss.actor_grad: <unset> -> backprop"]
+    assert experiment_changes(old, {"loss": {"entropy": 3e-4, "lmbda": 0.95}, "seed": 0}) == [
+        "loss.lmbda: <unset> -> 0.95"]  # a setting not in the table still counts

@@ -381,3 +381,57 @@ def test_evaluation_reads_the_weights_of_both_formats():
         load_weights(agent, SETTINGS, {"learner": state}, FORMAT_1, Path("config.yaml"))
         for name, value in learner.nets.trained.state_dict().items():
             assert torch.equal(agent.networks.trained.state_dict()[name], value), name
+
+
+def _backprop_learner(entropy: float):
+    agent, batch = _setup(CONTINUOUS)
+    learner = Learner(agent, _loss(imag_length=4, actor_grad="backprop", entropy=entropy), _optimizer(), "cpu")
+    torch.manual_seed(2)  # the reward and value heads start at zero output, flat in the states: move them
+    with torch.no_grad():
+        for head in (agent.networks.reward_head, agent.networks.critic_head):
+            for param in head.parameters():
+                param.normal_(std=0.3)
+    return learner, agent, learner._inputs(batch)
+
+
+def test_the_backprop_actor_learns_through_the_imagined_returns_and_moves_only_the_actor():
+    """loss.actor_grad=backprop (without the entropy bonus here): the actor's loss reaches every actor
+    parameter, through the imagined steps, and no parameter of the world model or the critic; a small step
+    down its gradient raises the same imagination's normalized return (the draws reseeded alike)."""
+    learner, agent, inputs = _backprop_learner(entropy=0.0)
+    nets = agent.networks
+    kept = [tensor.clone() for tensor in learner.losses.state_tensors()]
+
+    def actor_loss() -> torch.Tensor:
+        for tensor, value in zip(learner.losses.state_tensors(), kept):  # the return normalizer as it was
+            tensor.data.copy_(value)
+        torch.manual_seed(5)
+        return learner._losses(inputs)[1]["loss_actor"]
+
+    loss = actor_loss()
+    actor = list(nets.actor_net.parameters())
+    others = [p for name, net in nets.trained.items() if name != "actor" for p in net.parameters()]
+    grads = torch.autograd.grad(loss, actor + others, allow_unused=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[:len(actor)])
+    assert all(g is None or g.abs().sum() == 0 for g in grads[len(actor):])
+    with torch.no_grad():
+        for param, grad in zip(actor, grads):
+            param -= 1e-3 * grad / grad.norm()
+    assert actor_loss() < loss
+
+
+def test_the_reinforce_actor_has_no_gradient_through_imagination():
+    """The default: imagination runs without autograd; the actor's gradient comes from log pi alone."""
+    agent, batch = _setup(CONTINUOUS)
+    learner = Learner(agent, _loss(imag_length=4, entropy=0.0), _optimizer(), "cpu")
+    assert not learner.scan.frozen_prior
+    torch.manual_seed(5)
+    loss = learner._losses(learner._inputs(batch))[1]["loss_actor"]
+    reward = list(agent.networks.reward_head.parameters())
+    assert all(g is None for g in torch.autograd.grad(loss, reward, allow_unused=True))
+
+
+def test_the_backprop_actor_needs_continuous_actions():
+    agent, _ = _setup(VECTOR)
+    with pytest.raises(ValueError, match="loss.actor_grad=backprop differentiates continuous actions"):
+        Learner(agent, _loss(imag_length=4, actor_grad="backprop"), _optimizer(), "cpu")
