@@ -159,6 +159,11 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     if settings.loss.actor_grad == "backprop" and layout.discrete:
         raise ConfigError(f"loss.actor_grad=backprop differentiates continuous actions, and {cfg.env.suite} "
                           f"{cfg.env.task}'s are discrete: use loss.actor_grad=reinforce")
+    if settings.loss.actor_grad == "backprop" and settings.loss.two_hot == "symexp":
+        print("dreamer: note: loss.actor_grad=backprop differentiates the reward head's and the critic's readings; "
+              "through the symexp two-hot these are sums of terms up to 4.9e8 that cancel, and near initialization "
+              "their gradient is mostly rounding: loss.two_hot=symlog (the earlier agent's heads) is its pairing",
+              flush=True)
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size)

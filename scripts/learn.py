@@ -218,19 +218,18 @@ def main() -> int:
             if len(records) < 3 or early.get(job) == math.inf:  # the first new record's interval holds the warm-up
                 continue
             # Planned again at every record until signalled, at the faster of the command's mean pace and the
-            # latest interval's: a run speeds up when its neighbours stop.
+            # latest interval's (a run speeds up when its neighbours stop); a plan only ever moves earlier, and
+            # once made it stands (a run already past its planned stop is stopped at once).
             (first_at, first), (before_at, before), (last_at, last) = records[1], records[-2], records[-1]
             pace = max((last - first) / (last_at - first_at), (last - before) / (last_at - before_at))
             round_steps = -(-args.round_frames * run_steps[job] // args.frames)
             after = early_stop(last, run_steps[job], round_steps, pace, deadline - last_at)
-            if after is None:
-                early.pop(job, None)
-            else:
+            if after is not None:
                 if job not in early:
                     print(f"[learn] {label(job)}: stops in about {last_at + after - time.monotonic():.0f} s, at "
                           f"about {last + after * pace:,.0f} agent steps, before its last round of "
                           f"{round_steps:,} (its next command makes that round whole)", flush=True)
-                early[job] = last_at + after
+                early[job] = min(early.get(job, math.inf), last_at + after)
         for job, at in list(early.items()):
             if job in running and time.monotonic() >= at and not stopping:
                 running[job].send_signal(signal.SIGINT)  # before its last round; the deadline's kill covers it
