@@ -12,7 +12,8 @@ on a GPU:
 - tensors only in the hot path (no TensorDict), so compiled regions trace in seconds, not minutes;
 - whatever does not depend on the recurrence leaves the scan: the action and observation projections run
   once on the whole [B, T] batch, the prior head and every decoder after the scan; imagination runs
-  without autograd (its gradients are not used: the actor is trained by REINFORCE on stopped states);
+  without autograd (its gradients are not used: the actor is trained by REINFORCE on stopped states),
+  except under loss.actor_grad=backprop, where the actor's gradient goes through it (dreamer.losses);
 - inside the scan the weights are cast to bf16 once per update and their gradients come from "taps"
   (zeros added to each output, whose gradient is the stacked output gradient of all steps): one matmul
   per weight over all B x T rows instead of T small ones and T - 1 accumulations;
