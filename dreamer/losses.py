@@ -286,22 +286,23 @@ class Losses:
         else:
             log_prob, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions)
         actor, entropy = actor_loss(log_prob, entropy, advantage, weight, settings.entropy)
+        critic, metrics = self._critic_terms(self._critic(root_s, root_b), root_s, root_b, lambda_target, weight)
+        return {"loss_actor": actor, "loss_value": critic}, lambda_target, {
+            **metrics, "actor_entropy": entropy.detach(), "return_scale": scale.detach(),
+            "continuation_mean": continuation.mean(), "reward_imagined": reward.mean()}
 
-        value_logits = self._critic(root_s, root_b)
+    def _critic_terms(self, value_logits, root_s, root_b, lambda_target, weight):
+        """The critic's loss on imagined states 0..H-1 (its logits there given) toward the λ-returns,
+        regularized toward the slow critic; and the metrics both actor gradients share."""
         with torch.no_grad():
             slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
         critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
-                                        weight.squeeze(-1), settings.slow_critic)
-        metrics = {
-            "actor_entropy": entropy.detach(),
+                                        weight.squeeze(-1), self.settings.slow_critic)
+        return critic, {
             "return_low": self.return_norm.low.squeeze(-1).clone(),
             "return_high": self.return_norm.high.squeeze(-1).clone(),
-            "return_scale": scale.detach(),
-            "continuation_mean": continuation.mean(),
             "value_slow_loss": slow_loss.detach(),
-            "reward_imagined": reward.mean(),
         }
-        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
 
     def _behaviour_backprop(self, img_states, img_beliefs, img_actions):
         """`_behaviour` for loss.actor_grad=backprop: imagination ran with autograd (the actor's actions through
@@ -320,29 +321,18 @@ class Losses:
             weight = imagination_weights(continuation_all, self.gamma)
         returns = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
         lambda_target = returns.detach()
+        value_logits = self._critic(root_s, root_b)  # the critic's loss and, detached, the baseline
         with torch.no_grad():
             self.return_norm.update(lambda_target)
             scale = self.return_norm.scale().squeeze(-1)
-            baseline = self.value_twohot.mean(self._critic(root_s, root_b)).unsqueeze(-1)
+            baseline = self.value_twohot.mean(value_logits.detach()).unsqueeze(-1)
         _, entropy = normal_log_prob_entropy(*nets.actor_net(root_s, root_b), img_actions.detach())
         entropy = (weight * entropy).mean()
         actor = -(weight * (returns - baseline) / scale).mean() - settings.entropy * entropy
-
-        value_logits = self._critic(root_s, root_b)
-        with torch.no_grad():
-            slow_value = self.value_twohot.mean(self._critic(root_s, root_b, slow=True))
-        critic, slow_loss = critic_loss(self.value_twohot, value_logits, lambda_target.squeeze(-1), slow_value,
-                                        weight.squeeze(-1), settings.slow_critic)
-        metrics = {
-            "actor_entropy": entropy.detach(),
-            "return_low": self.return_norm.low.squeeze(-1).clone(),
-            "return_high": self.return_norm.high.squeeze(-1).clone(),
-            "return_scale": scale.detach(),
-            "continuation_mean": continuation.mean(),
-            "value_slow_loss": slow_loss.detach(),
-            "reward_imagined": reward.detach().mean(),
-        }
-        return {"loss_actor": actor, "loss_value": critic}, lambda_target, metrics
+        critic, metrics = self._critic_terms(value_logits, root_s, root_b, lambda_target, weight)
+        return {"loss_actor": actor, "loss_value": critic}, lambda_target, {
+            **metrics, "actor_entropy": entropy.detach(), "return_scale": scale.detach(),
+            "continuation_mean": continuation.mean(), "reward_imagined": reward.detach().mean()}
 
     def _replay_value(self, targets, states, beliefs, lambda_target):
         """The critic on the replayed sequence (time-major; it trains the representation too), toward
