@@ -12,6 +12,7 @@ from dreamer.agent import build_agent
 from dreamer.learner import Learner
 from dreamer.replay import Replay
 from tests.test_agent import VECTOR, _batch, _loss, _optimizer, _size
+from tests.test_learner import CONTINUOUS
 from tests.test_replay import _records
 
 pytestmark = [
@@ -40,7 +41,7 @@ def test_learner_update_on_cuda(cudagraph):
     assert state.device.type == "cuda"
 
 
-def _twins(compile: bool):
+def _twins(compile: bool, layout=VECTOR, **loss):
     """Two learners on identical weights: one eager, one captured (float32, so they can agree closely)."""
     device = torch.device("cuda:0")
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
@@ -48,17 +49,22 @@ def _twins(compile: bool):
     for captured in (False, True):
         torch.manual_seed(0)
         with torch.device(device):
-            agent = build_agent(VECTOR, size)
-        learners.append(Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=compile and captured,
-                                cudagraph=captured, bf16=False))
-    batches = [_batch(VECTOR, size, 4, 8).to(device) for _ in range(6)]
+            agent = build_agent(layout, size)
+        learners.append(Learner(agent, _loss(imag_length=4, **loss), _optimizer(warmup=0), device,
+                                compile=compile and captured, cudagraph=captured, bf16=False))
+    batches = [_batch(layout, size, 4, 8).to(device) for _ in range(6)]
     return learners, batches
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled-graph"])
-def test_captured_step_replays_match_the_eager_updates(compile):
-    """Replaying the graph six times follows the eager sequence of updates (same seeds, same draws)."""
-    (eager, captured), batches = _twins(compile)
+@pytest.mark.parametrize("actor_grad", ["reinforce", "backprop"])
+def test_captured_step_replays_match_the_eager_updates(compile, actor_grad):
+    """Replaying the graph six times follows the eager sequence of updates (same seeds, same draws); with
+    loss.actor_grad=backprop (continuous actions, symlog heads: its pairing) imagination is captured with its
+    autograd."""
+    backprop = actor_grad == "backprop"
+    (eager, captured), batches = _twins(compile, CONTINUOUS if backprop else VECTOR, actor_grad=actor_grad,
+                                        **({"two_hot": "symlog"} if backprop else {}))
     captured.warmup(batches[0])
     for step, batch in enumerate(batches):
         results = []
