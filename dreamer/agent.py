@@ -365,8 +365,10 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
         unimix=size.unimix,
     )
     rollout = RSSMRolloutV3(
-        _module(prior, ["state", "belief", "action"], [("next", "prior_logits"), ("next", "state"), ("next", "belief")]),
-        _module(posterior, [("next", "belief"), ("next", "encoded_latents")], [("next", "posterior_logits"), ("next", "state")]),
+        _module(prior, ["state", "belief", "action"],
+                [("next", "prior_logits"), ("next", "state"), ("next", "belief")]),
+        _module(posterior, [("next", "belief"), ("next", "encoded_latents")],
+                [("next", "posterior_logits"), ("next", "state")]),
         reset_key="is_init",
     )
     reward_net = Head(size, size.bins, size.head_layers, outscale=0.0)

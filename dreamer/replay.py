@@ -632,7 +632,8 @@ class Replay:
         keep = last_write_wins(coordinates)
         on_device = _to_device(keep, state.device)
         rows = (on_device // state.shape[1], on_device % state.shape[1])  # one gather, even from a strided view
-        patch = {key: value.detach()[rows].to(self.context_dtype) for key, value in (("state", state), ("belief", belief))}
+        patch = {key: value.detach()[rows].to(self.context_dtype)
+                 for key, value in (("state", state), ("belief", belief))}
         landed = None
         if state.is_cuda:
             # The patch is gathered on the producing stream (it reads the update's outputs, which the

@@ -184,8 +184,9 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
             learner.load_state_dict(state["learner"])
         except (ValueError, KeyError, RuntimeError) as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise checkpoint.CheckpointError(f"{path} does not fit this run's model ({reason[:300]}); resume it "
-                                             "with the settings it was trained with, or start another run.name") from None
+            raise checkpoint.CheckpointError(
+                f"{path} does not fit this run's model ({reason[:300]}); resume it with the settings it was "
+                "trained with, or start another run.name") from None
         ratio.load_state_dict(state["ratio"])
         counters.update(state["counters"])
         checkpoint.set_rng_state(state["rng"])

@@ -119,7 +119,8 @@ def _profile(update, count: int, cuda: bool, table: str | None = None) -> dict:
             f"{n / count:.1f}\t{us / count:.1f}\t{name}\n" for name, (n, us) in rows))
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     breakdown = [[name, round(n / count, 1), round(us / 1e3 / count, 3)] for name, (n, us) in top]
-    return {"top_kernels_by_time": breakdown,"kernels_per_update": round(len(kernels) / count), "gpu_busy": round(busy / span, 3),
+    return {"top_kernels_by_time": breakdown, "kernels_per_update": round(len(kernels) / count),
+            "gpu_busy": round(busy / span, 3),
             "kernel_ms_per_update": round(sum(hi - lo for lo, hi in intervals) / 1e3 / count, 2),
             "profiled_wall_ms_per_update": round(wall * 1e3 / count, 2)}
 
@@ -146,7 +147,8 @@ def run_single(args) -> dict:
         agent = build_agent(layout, size)
     batch = _batch(layout, size, args.batch, args.length, device)
     result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
-              "length": args.length, "cudnn_benchmark": args.cudnn_benchmark, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "length": args.length, "cudnn_benchmark": args.cudnn_benchmark,
+              "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
     if args.single == "ours_autotune":
         import torch._inductor.config as inductor
@@ -238,8 +240,8 @@ def main() -> None:
     parser.add_argument("--obs-dim", type=int, default=24)
     parser.add_argument("--actions", type=int, default=6)
     parser.add_argument("--variant", default="both",
-                        help="ours | ours_cl | ours_autotune | ours_graph | torchrl | torchrl_step | torchrl_scan | both (default) | all, "
-                             "or a comma-separated list of variants")
+                        help="ours | ours_cl | ours_autotune | ours_graph | torchrl | torchrl_step | torchrl_scan | "
+                             "both (default) | all, or a comma-separated list of variants")
     parser.add_argument("--warm-cache", action="store_true",
                         help="reuse the compiler caches (default: each variant compiles from an empty cache)")
     parser.add_argument("--updates", type=int, default=30, help="timed updates (median)")

@@ -8,15 +8,15 @@ Each run is `python -m dreamer.train +exp=PRESET env.task=TASK seed=SEED run.ste
 `--frames` over the action repeat of the run's composed config (frames as the reference's curves count
 them: agent steps x repeat; an `env.repeat` among the overrides counts). `--variant NAME:OVERRIDES` (repeatable)
 runs each task and seed once per variant, with the variant's overrides last, in `DIR/<task>-seed<seed>-<NAME>`
-(its `variant` file names it, and the report and plots keep variants apart): an A/B on the same seeds. Up to `--parallel` runs go at once
-(on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by side made 122 updates/s
-together against 134 for one alone, as their CUDA contexts take turns; under CUDA's multi-process service,
-which `reproduce.sh learn-dmc` starts, three made 215 and six 315, BENCHMARKS.md); runs start in seed-major order, so
-that a partial set holds every task's first seed. At `--seconds` every run still going gets SIGINT: it
-finishes its update, saves a checkpoint with its replay and exits. Rerunning the same command resumes the
-unfinished runs from their checkpoints (the training command's own resume) and skips the finished ones,
-so a set longer than one 10-minute GPU command is a chain of such commands. No run is started with less
-than `--min-start` seconds left (its compile warm-up would be lost).
+(its `variant` file names it, and the report and plots keep variants apart): an A/B on the same seeds.
+Up to `--parallel` runs go at once (on one H200 a dmc_proprio run alone keeps the learner 0.99 busy: two side by
+side made 122 updates/s together against 134 for one alone, as their CUDA contexts take turns; under CUDA's
+multi-process service, which `reproduce.sh learn-dmc` starts, three made 215 and six 315, BENCHMARKS.md); runs
+start in seed-major order, so that a partial set holds every task's first seed. At `--seconds` every run still
+going gets SIGINT: it finishes its update, saves a checkpoint with its replay and exits. Rerunning the same command
+resumes the unfinished runs from their checkpoints (the training command's own resume) and skips the finished ones,
+so a set longer than one 10-minute GPU command is a chain of such commands. No run is started with less than
+`--min-start` seconds left (its compile warm-up would be lost).
 
 `--round-frames F` (with `--frames`): a resume starts every env's episode afresh, so a run whose command
 stopped within the last F frames of its length (F: one round of episodes, e.g. 16 envs x 1,000 frames) would

@@ -6,12 +6,13 @@ RUNS_DIR holds run folders (`scripts/reproduce.sh learn-dmc` makes one per task 
 training-episode return (`episode/return`, the reference's own measure) and the evaluation return
 (`eval/return_mean`, where the run evaluated) at each point of `--frames`, interpolated linearly between the
 run's records (past the last training return: its value, as long as the point lies no further past it than
-the run's returns ever lay apart, from its start on; past the last evaluation: none) and left out ("-") where the run has not reached the point or has
-no value of that kind at or before it (the first evaluation comes at `run.eval_every`; a resumed command
-starts its envs' episodes afresh, and one shorter than a round of episodes records none); the wall-clock to
-the last point (the summed `time` of the run's commands: each resumed command counts from its own start, so
-a command's start-up is counted and the work lost after its last checkpoint is not); the median updates/s;
-and the commits it ran (each run folder's `commit` file, written by reproduce.sh at each command).
+the run's returns ever lay apart, from its start on; past the last evaluation: none)
+and left out ("-") where the run has not reached the point or has no value of that kind at or before it (the first
+evaluation comes at `run.eval_every`; a resumed command starts its envs' episodes afresh, and one shorter than a
+round of episodes records none); the wall-clock to the last point (the summed `time` of the run's commands: each
+resumed command counts from its own start, so a command's start-up is counted and the work lost after its last
+checkpoint is not); the median updates/s; and the commits it ran (each run folder's `commit` file, written by
+reproduce.sh at each command).
 
 Per task: the mean over seeds of the training return at each point beside the reference's mean and
 min-max over its seeds (`dreamer/reference`), and whether it meets the bar: within the reference's
