@@ -61,6 +61,12 @@ class Run:
     commits: list[str] = field(default_factory=list)
 
     @property
+    def variant(self) -> str:
+        """The run's `scripts/learn.py --variant` name, "" for the set's own recipe."""
+        path = self.folder / "variant"
+        return path.read_text().strip() if path.is_file() else ""
+
+    @property
     def task(self) -> str:
         return " ".join(str(part) for part in self.key if part)
 
@@ -163,13 +169,13 @@ def report(runs: list[Run], points: list[float], plots: Path, title_link: str) -
             *(f"eval return {_frames(p)}" for p in points), f"wall-clock to {_frames(points[-1])}", "updates/s",
             "commit"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    verdicts: dict[float, list[bool | None]] = defaultdict(list)
+    verdicts: dict[tuple[str, float], list[bool | None]] = defaultdict(list)  # by (variant, point)
     images = []
     for key, group in sorted(by_task.items(), key=lambda item: str(item[0])):
         rows, met = task_rows(group, points)
         lines += rows
         for point, verdict in met.items():
-            verdicts[point].append(verdict)
+            verdicts[group[0].variant, point].append(verdict)
         figure, axis = plt.subplots(figsize=(5, 3.6))
         draw(axis, group[0].task, [(r.env, r.frames, r.returns) for r in group], TRAIN)
         figure.tight_layout()
@@ -177,12 +183,13 @@ def report(runs: list[Run], points: list[float], plots: Path, title_link: str) -
         figure.savefig(image, dpi=100)
         plt.close(figure)
         images.append(image)
-    summary = []
-    for point in points:
-        judged = [v for v in verdicts[point] if v is not None]
-        summary.append(f"- at {_frames(point)} frames: **{sum(judged)} of {len(judged)}** tasks meet the bar"
-                       + (f" ({len(verdicts[point]) - len(judged)} not judged: a seed short of the point or without "
-                          f"a value at it yet, or no reference)" if len(judged) < len(verdicts[point]) else ""))
+    summary = []  # the set's own recipe first, then each variant's tasks apart (an A/B is not the recipe)
+    for variant, point in sorted(verdicts, key=lambda vp: (vp[0], points.index(vp[1]))):
+        given, judged = verdicts[variant, point], [v for v in verdicts[variant, point] if v is not None]
+        summary.append(f"- {f'variant {variant}, ' if variant else ''}at {_frames(point)} frames: "
+                       f"**{sum(judged)} of {len(judged)}** tasks meet the bar"
+                       + (f" ({len(given) - len(judged)} not judged: a seed short of the point or without "
+                          f"a value at it yet, or no reference)" if len(judged) < len(given) else ""))
     body = [*summary, "", *lines, ""]
     body += [f"![{image.stem}]({title_link}/{image.name})" for image in images]
     return "\n".join(body) + "\n"

@@ -185,6 +185,8 @@ def test_variants_run_each_seed_once_per_variant_and_the_report_keeps_them_apart
     text = out.read_text()
     assert "| **dmc cartpole_balance proprio high** | mean of 1 |" in text
     assert "| **dmc cartpole_balance proprio low** | mean of 1 |" in text
+    summary = [line for line in text.splitlines() if "tasks meet the bar" in line]  # each variant counted apart
+    assert [line.split(" frames")[0] for line in summary] == ["- variant high, at 0.2K", "- variant low, at 0.2K"]
     bad = subprocess.run([sys.executable, "scripts/learn.py", "--dir", str(folder), "--preset", "dmc_proprio",
                           "--tasks", "cartpole_balance", "--steps", "200", "--variant", "no overrides"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
