@@ -264,10 +264,13 @@ def test_the_table_of_learning_md_is_what_its_recorded_runs_give(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("|")]
     committed = (ROOT / "LEARNING.md").read_text().splitlines()
-    runs = len(list((ROOT / "learning/sets/dmc_proprio_paper").glob("*-seed*")))
-    assert runs >= 6
-    # The header and rule, a row per run, and per task (six) the mean's row and the reference's.
-    assert len(rows) == 2 + runs + 6 * 2 and all(row in committed for row in rows)
+    folders = [path.name for path in (ROOT / "learning/sets/dmc_proprio_paper").glob("*-seed*")]
+    assert len(folders) >= 6
+    # A group per task and variant: <task>-seed<N> and <task>-seed<N>-<variant> (scripts/learn.py --variant).
+    groups = {(name.split("-seed")[0], name.split("-seed")[1].partition("-")[2]) for name in folders}
+    assert len({task for task, _ in groups}) == 6
+    # The header and rule, a row per run, and per group the mean's row and the reference's.
+    assert len(rows) == 2 + len(folders) + 2 * len(groups) and all(row in committed for row in rows)
 
 
 @pytest.mark.parametrize("steps, pace, left, expected", [
