@@ -15,7 +15,8 @@ line is the ratio ours / torchrl (torchrl's faster configuration that warmed up)
 Variants: ours (compile + CUDA graph on CUDA; eager on CPU), ours_cl (ours with the image CNNs in
 channels-last memory format), ours_autotune (ours with inductor's Triton matmul templates, chosen by timing
 against cuBLAS, so that a matmul's bias, tap and casts fuse into its kernel: fewer launches, longer
-warm-up), ours_graph (CUDA graph, no compile),
+warm-up), ours_fuse (ours with inductor's combo kernels: independent kernels of a compiled graph, e.g. the
+norms of one scan step, fused side by side into one launch), ours_graph (CUDA graph, no compile),
 torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
 on CPU torchrl runs eagerly (torchrl_eager).
 """
@@ -154,8 +155,13 @@ def run_single(args) -> dict:
         import torch._inductor.config as inductor
 
         inductor.max_autotune_gemm = True  # Triton GEMM templates beside cuBLAS, with epilogue fusion
+    if args.single == "ours_fuse":
+        import torch._inductor.config as inductor
+
+        inductor.combo_kernels = True  # horizontal fusion: independent kernels of one graph in one launch
+        inductor.aggressive_fusion = True  # fuse nodes that share no memory access too
     if args.single.startswith("ours"):
-        compile = cuda and args.single in ("ours", "ours_cl", "ours_autotune")
+        compile = cuda and args.single in ("ours", "ours_cl", "ours_autotune", "ours_fuse")
         learner = Learner(agent, loss_settings, optimizer_settings, device, compile=compile, cudagraph=cuda, bf16=cuda,
                           channels_last=args.single == "ours_cl",
                           progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
@@ -240,8 +246,8 @@ def main() -> None:
     parser.add_argument("--obs-dim", type=int, default=24)
     parser.add_argument("--actions", type=int, default=6)
     parser.add_argument("--variant", default="both",
-                        help="ours | ours_cl | ours_autotune | ours_graph | torchrl | torchrl_step | torchrl_scan | "
-                             "both (default) | all, or a comma-separated list of variants")
+                        help="ours | ours_cl | ours_autotune | ours_fuse | ours_graph | torchrl | torchrl_step | "
+                             "torchrl_scan | both (default) | all, or a comma-separated list of variants")
     parser.add_argument("--warm-cache", action="store_true",
                         help="reuse the compiler caches (default: each variant compiles from an empty cache)")
     parser.add_argument("--updates", type=int, default=30, help="timed updates (median)")
@@ -265,7 +271,7 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu")
     torchrl = ["torchrl_step", "torchrl_scan"] if cuda else ["torchrl_eager"]
-    ours = ["ours", "ours_cl", "ours_autotune", "ours_graph"] if cuda else ["ours"]
+    ours = ["ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_graph"] if cuda else ["ours"]
     groups = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}
     variants = [v for name in args.variant.split(",") for v in groups.get(name, [name])]
     # Ctrl-C or a SIGTERM (an outer `timeout`) stops the variants still running, in their own sessions.
@@ -295,7 +301,7 @@ def _run_variants(args, variants: list[str], torchrl: list[str]) -> None:
         _emit(result, args.out)
     ok = {r["variant"]: r for r in results if "updates_per_second" in r}
     baseline = max((ok[v] for v in torchrl if v in ok), key=lambda r: r["updates_per_second"], default=None)
-    for name in ("ours", "ours_cl", "ours_autotune", "ours_graph"):
+    for name in ("ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_graph"):
         if name in ok and baseline:
             _emit({"ratio": f"{name}/torchrl", "baseline": baseline["variant"],
                    "speedup": round(ok[name]["updates_per_second"] / baseline["updates_per_second"], 2)}, args.out)

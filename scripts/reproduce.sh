@@ -8,8 +8,8 @@
 #   bash scripts/reproduce.sh learner-200m    # size200m image, 32 x 256: ours, then torchrl's scan configuration
 #   bash scripts/reproduce.sh learner-cl      # size200m, 32 x 256: ours, then ours and channels-last CNNs with
 #                                             # cuDNN's algorithm search
-#   bash scripts/reproduce.sh learner-autotune  # size1m vector, 16 x 64: ours, then ours with inductor's Triton
-#                                             # matmul templates and fused epilogues (fewer launches?)
+#   bash scripts/reproduce.sh learner-autotune  # size1m vector, 16 x 64: ours, ours with inductor's combo kernels,
+#                                             # ours with its Triton matmul templates (fewer launches?)
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU, 50 ms per step:
 #                                             # the server as a process, then as a thread (two rounds each)
 #   bash scripts/reproduce.sh pipeline-0ms    # the same at 0 ms (learner-bound), process then thread;
@@ -96,10 +96,11 @@ case "${1:-}" in
       --variant ours,ours_cl --cudnn-benchmark --limit 190 --out "$OUT/learner-cl-size200m.jsonl"
     ;;
   learner-autotune)
-    # size1m is launch-bound (3,869 kernels in 8.8 ms): inductor's Triton matmul templates, timed against
-    # cuBLAS at compile, can take a matmul's bias, tap and casts into its own kernel.
+    # size1m is launch-bound (3,869 kernels in 8.8 ms): inductor's combo kernels put independent kernels of a
+    # graph into one launch; its Triton matmul templates, timed against cuBLAS at compile, can take a matmul's
+    # bias, tap and casts into its own kernel. Each variant under AUTOTUNE_LIMIT seconds (three fit 600).
     $PY scripts/bench_learner.py --device cuda --model size1m --batch 16 --length 64 --obs vector \
-      --variant ours,ours_autotune --limit "${AUTOTUNE_LIMIT:-240}" --kernel-tables "$OUT" \
+      --variant ours,ours_fuse,ours_autotune --limit "${AUTOTUNE_LIMIT:-190}" --kernel-tables "$OUT" \
       --out "$OUT/learner-autotune-size1m.jsonl"
     ;;
   pipeline)
