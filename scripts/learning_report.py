@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plot import draw, load_run, run_folders  # noqa: E402
+from plot import draw, load_run, run_folders, run_variant  # noqa: E402
 
 from dreamer.metrics import elapsed  # noqa: E402
 from dreamer.reference import curve  # noqa: E402
@@ -63,8 +63,7 @@ class Run:
     @property
     def variant(self) -> str:
         """The run's `scripts/learn.py --variant` name, "" for the set's own recipe."""
-        path = self.folder / "variant"
-        return path.read_text().strip() if path.is_file() else ""
+        return run_variant(self.folder)
 
     @property
     def task(self) -> str:

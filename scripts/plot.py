@@ -49,6 +49,12 @@ def run_folders(paths: list[Path]) -> list[Path]:
     return runs
 
 
+def run_variant(run: Path) -> str:
+    """The run's `scripts/learn.py --variant` name (its `variant` file), "" for its set's own recipe."""
+    path = run / "variant"
+    return path.read_text().strip() if path.is_file() else ""
+
+
 def load_run(run: Path, metric: str) -> tuple[tuple, dict, np.ndarray, np.ndarray]:
     """(group key, env config, frames, values) of one run's `metric` records."""
     import yaml
@@ -57,8 +63,8 @@ def load_run(run: Path, metric: str) -> tuple[tuple, dict, np.ndarray, np.ndarra
     env = config["env"]
     repeat = int(env.get("repeat", 1)) if env["suite"] in ("dmc", "atari") else 1
     key = (env["suite"], env["task"], env.get("obs") if env["suite"] == "dmc" else None)
-    if (run / "variant").is_file():  # scripts/learn.py --variant: runs of a variant are a group of their own
-        key = (*key, (run / "variant").read_text().strip())
+    if variant := run_variant(run):  # scripts/learn.py --variant: runs of a variant are a group of their own
+        key = (*key, variant)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     # Records written before frames were recorded: env steps x the run's action repeat.
     points = {r.get("frames", r["env_steps"] * repeat): r[metric] for r in records if metric in r}
