@@ -366,3 +366,19 @@ def test_a_stopped_runs_steps_are_its_newest_checkpoints(tmp_path):
     for name in ("ckpt-000000003172.pt", "ckpt-000000002000.pt", "ckpt-000000009999.pt.tmp"):
         (tmp_path / "checkpoints" / name).write_bytes(b"")
     assert frames_reached(tmp_path) == (3172, False)
+
+
+def test_the_physics_check_reports_this_installs_finger_spin_as_recorded():
+    """scripts/dmc_physics.py under this project's MuJoCo prints the lines recorded in learning/physics/ for
+    it (LEARNING.md compares them with an older install's): the model's options, the seeded returns and the
+    spinner's speeds. A change of the pinned MuJoCo or dm_control that moves finger_spin's physics fails here."""
+    done = subprocess.run([sys.executable, "scripts/dmc_physics.py", "--tasks", "finger_spin"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MUJOCO_GL": "disabled"})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("finger_spin:")]
+    assert len(lines) == 3, done.stdout
+    assert "damping [2.5, 2.5, 0.5]" in lines[0] and "mean |hinge velocity|" in lines[2], lines
+    version = done.stdout.splitlines()[0].split(",")[0].split()[1]  # "mujoco 3.17.0, dm_control ..."
+    recorded = (ROOT / "learning" / "physics" / f"mujoco-{version}.txt").read_text().splitlines()
+    assert lines == [line for line in recorded if line.startswith("finger_spin:")]
