@@ -23,15 +23,13 @@ import mujoco  # noqa: E402
 import numpy as np  # noqa: E402
 from dm_control import suite  # noqa: E402
 
-DOMAINS = {"ball_in_cup": "ball_in_cup", "cup": "ball_in_cup"}
-
-
 def load(task: str):
-    for prefix, domain in DOMAINS.items():
-        if task.startswith(prefix + "_"):
-            return suite.load(domain, task[len(prefix) + 1:], task_kwargs={"random": 0})
-    domain, name = task.split("_", 1)
-    return suite.load(domain, name, task_kwargs={"random": 0})
+    """The suite's `domain_task` (e.g. ball_in_cup_catch), seeded. The script imports dm_control alone, not
+    this project, so that it runs under another install (a virtual environment without torch)."""
+    tasks = {f"{domain}_{name}": (domain, name) for domain, name in suite.ALL_TASKS}
+    if task not in tasks:
+        raise SystemExit(f"error: unknown task '{task}'; dm_control's suite has e.g. {', '.join(list(tasks)[:6])}")
+    return suite.load(*tasks[task], task_kwargs={"random": 0})
 
 
 def returns(env, episodes: int = 5) -> list[float]:
