@@ -193,7 +193,8 @@ class InlineSource(Source):
     """
 
     def __init__(self, cfg, policy: ActingPolicy, layout: EnvLayout, size: ModelSize, device: torch.device,
-                 cudagraph: bool, replay):
+                 cudagraph: bool, replay, ahead: bool | None = None):
+        """`ahead`: step in a thread of its own (default: on a CUDA learner)."""
         self.envs, self.replay = cfg.run.envs, replay
         self.acting = ActingCopy(policy, layout, size, self.envs, device, cudagraph, cfg.run.sync_every) \
             if torch.device(device).type == "cuda" else None
@@ -201,7 +202,8 @@ class InlineSource(Source):
             [make_env(cfg.env, cfg.seed, i) for i in range(self.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
             self.acting or policy, layout, size, "cpu" if self.acting else device, suite=cfg.env.suite)
         self.times, self.steps, self.looped, self.last = StepTimes(), 0, 0.0, None
-        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="dreamer-inline-step") if self.acting else None
+        ahead = self.acting is not None if ahead is None else ahead
+        self.ahead = ThreadPoolExecutor(1, thread_name_prefix="dreamer-inline-step") if ahead else None
         self.next: Future | None = None  # the step running ahead in that thread
 
     def _step(self) -> tuple[int, list[Episode]]:
@@ -241,14 +243,25 @@ class InlineSource(Source):
         return self.collector.restarts
 
     def close(self) -> None:
-        """After the step running ahead (its records are not counted: the run ends before them)."""
+        """After the step running ahead (its records are not counted: the run ends before them).
+
+        The envs close in the thread that stepped them: an image env's EGL context (DeepMind Control's
+        renderer) stays current on the thread that rendered with it, and freeing it from another thread
+        fails. Only if that thread is still busy after 60 s do they close in the caller's."""
+        closed, error = False, None
         if self.ahead is not None:
             if self.next is not None:
                 wait([self.next], timeout=60)
+            closing = self.ahead.submit(self.collector.close)
+            if wait([closing], timeout=60).done:
+                closed, error = True, closing.exception()
             self.ahead.shutdown(wait=False, cancel_futures=True)
         if self.acting is not None:
             self.acting.close()
-        self.collector.close()
+        if not closed:
+            self.collector.close()
+        if error is not None:
+            raise error
 
 
 class WorkerSource(Source):
