@@ -121,6 +121,7 @@ class Settings:
     optimizer: OptimizerSettings
     updates_per_step: float  # train_ratio / (batch_size * batch_length)
     collect: str = "inline"  # run.collect resolved: inline, workers or ray
+    fuse_kernels: bool = False  # run.fuse_kernels: the compiled learner's pieces with inductor's combo kernels
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -345,11 +346,12 @@ def validate(cfg: DictConfig) -> Settings:
         # busier than the inline source's step thread sharing the trainer's interpreter lock (dmc_proprio:
         # 0.99 against 0.92, BENCHMARKS.md); inline on CPU, where there is no device work to overlap.
         collect=("workers" if cuda else "inline") if cfg.run.collect == "auto" else cfg.run.collect,
+        fuse_kernels=_flag(cfg.run.fuse_kernels, False, "run.fuse_kernels"),
     )
 
 
 def describe(settings: Settings) -> str:
-    step = "compiled" if settings.compile else "eager"
+    step = ("compiled, fused kernels" if settings.fuse_kernels else "compiled") if settings.compile else "eager"
     if settings.cudagraph:
         step += " + CUDA graph"
     precision = "bf16" if settings.bf16 else "fp32"

@@ -15,7 +15,7 @@ line is the ratio ours / torchrl (torchrl's faster configuration that warmed up)
 Variants: ours (compile + CUDA graph on CUDA; eager on CPU), ours_cl (ours with the image CNNs in
 channels-last memory format), ours_autotune (ours with inductor's Triton matmul templates, chosen by timing
 against cuBLAS, so that a matmul's bias, tap and casts fuse into its kernel: fewer launches, longer
-warm-up), ours_fuse (ours with inductor's combo kernels: independent kernels of a compiled graph, e.g. the
+warm-up), ours_fuse (ours with `run.fuse_kernels`: inductor's combo kernels, independent kernels of a compiled graph, e.g. the
 norms of one scan step, fused side by side into one launch), ours_graph (CUDA graph, no compile),
 torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
 on CPU torchrl runs eagerly (torchrl_eager).
@@ -155,15 +155,10 @@ def run_single(args) -> dict:
         import torch._inductor.config as inductor
 
         inductor.max_autotune_gemm = True  # Triton GEMM templates beside cuBLAS, with epilogue fusion
-    if args.single == "ours_fuse":
-        import torch._inductor.config as inductor
-
-        inductor.combo_kernels = True  # horizontal fusion: independent kernels of one graph in one launch
-        inductor.aggressive_fusion = True  # fuse nodes that share no memory access too
     if args.single.startswith("ours"):
         compile = cuda and args.single in ("ours", "ours_cl", "ours_autotune", "ours_fuse")
         learner = Learner(agent, loss_settings, optimizer_settings, device, compile=compile, cudagraph=cuda, bf16=cuda,
-                          channels_last=args.single == "ours_cl",
+                          channels_last=args.single == "ours_cl", fuse_kernels=args.single == "ours_fuse",
                           progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
         if args.flops:
             result["gflop_per_update"] = round(_flops(learner, batch) / 1e9, 1)

@@ -125,6 +125,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are actor_grad, entropy, "),
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
     ("loss.actor_grad", "dynamics", "loss.actor_grad must be reinforce or backprop, got 'dynamics'"),
+    ("run.fuse_kernels", "yes", "run.fuse_kernels must be auto, true or false, got 'yes'"),
 ])
 def test_other_bad_values_are_one_line(key, value, words):
     cfg = _smoke_cfg()

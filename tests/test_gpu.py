@@ -41,7 +41,7 @@ def test_learner_update_on_cuda(cudagraph):
     assert state.device.type == "cuda"
 
 
-def _twins(compile: bool, layout=VECTOR, **loss):
+def _twins(compile: bool, layout=VECTOR, fuse_kernels: bool = False, **loss):
     """Two learners on identical weights: one eager, one captured (float32, so they can agree closely)."""
     device = torch.device("cuda:0")
     size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
@@ -51,20 +51,21 @@ def _twins(compile: bool, layout=VECTOR, **loss):
         with torch.device(device):
             agent = build_agent(layout, size)
         learners.append(Learner(agent, _loss(imag_length=4, **loss), _optimizer(warmup=0), device,
-                                compile=compile and captured, cudagraph=captured, bf16=False))
+                                compile=compile and captured, cudagraph=captured, bf16=False,
+                                fuse_kernels=fuse_kernels and captured))
     batches = [_batch(layout, size, 4, 8).to(device) for _ in range(6)]
     return learners, batches
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["graph", "compiled-graph"])
+@pytest.mark.parametrize("compile", [False, True, "fused"], ids=["graph", "compiled-graph", "fused-graph"])
 @pytest.mark.parametrize("actor_grad", ["reinforce", "backprop"])
 def test_captured_step_replays_match_the_eager_updates(compile, actor_grad):
     """Replaying the graph six times follows the eager sequence of updates (same seeds, same draws); with
     loss.actor_grad=backprop (continuous actions, symlog heads: its pairing) imagination is captured with its
-    autograd."""
+    autograd. "fused": compiled with run.fuse_kernels (inductor's combo kernels and aggressive fusion)."""
     backprop = actor_grad == "backprop"
-    (eager, captured), batches = _twins(compile, CONTINUOUS if backprop else VECTOR, actor_grad=actor_grad,
-                                        **({"two_hot": "symlog"} if backprop else {}))
+    (eager, captured), batches = _twins(bool(compile), CONTINUOUS if backprop else VECTOR, compile == "fused",
+                                        actor_grad=actor_grad, **({"two_hot": "symlog"} if backprop else {}))
     captured.warmup(batches[0])
     for step, batch in enumerate(batches):
         results = []

@@ -233,11 +233,14 @@ def _same_two_updates(ours: Learner, reference: Learner, batch, seed: int) -> No
         assert _close(a.detach(), b.detach(), 1e-4)
 
 
-def test_compiled_step_follows_the_eager_updates_on_cpu():
-    """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result."""
+@pytest.mark.parametrize("fuse_kernels", [False, True], ids=["compiled", "fused"])
+def test_compiled_step_follows_the_eager_updates_on_cpu(fuse_kernels):
+    """torch.compile of the step's pieces (inductor's CPU backend here; Triton on CUDA) changes no result;
+    nor does run.fuse_kernels (inductor's aggressive fusion; its combo kernels are Triton's, on CUDA)."""
     (eager_agent, batch), (compiled_agent, _) = _setup(VECTOR), _setup(VECTOR)
     eager = Learner(eager_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
-    compiled = Learner(compiled_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True)
+    compiled = Learner(compiled_agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True,
+                       fuse_kernels=fuse_kernels)
     assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._cell, compiled._tail))
     _same_two_updates(compiled, eager, batch, seed=20)
 
