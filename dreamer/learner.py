@@ -205,6 +205,21 @@ class _Compiled:
         return out
 
 
+# fuse_kernels: inductor also puts independent kernels of a compiled piece side by side in one launch (combo
+# kernels; e.g. a scan step's norms) and fuses nodes that share no memory access. size1m on an H100: 3,142
+# kernels and 7.69 ms per update against 3,869 and 8.75 (BENCHMARKS.md).
+FUSED_KERNELS = {"combo_kernels": True, "aggressive_fusion": True}
+
+
+def _to_channels_last(nets) -> None:
+    """The image CNNs' weights in NHWC: convolutions then take and give channels-last maps (no NCHW-NHWC
+    transposes around cuDNN's kernels), and the channel RMS norm, which normalizes over C of a channels-moved
+    view, reads contiguous rows. Same values, other strides."""
+    for cnn in (getattr(nets.encoder, "cnn", None), getattr(nets.image_decoder, "net", None)):
+        if cnn is not None:
+            cnn.to(memory_format=torch.channels_last)
+
+
 class Learner:
     """One DreamerV3 update per `update(batch)` (module docstring): the agent's networks, their optimizer
     (`optimizer` settings) and `Losses` (`loss` settings, the slow critic and the return normalizer)."""
@@ -233,20 +248,12 @@ class Learner:
         nets = self.nets = agent.networks
         self.layout, self.size, self.settings = agent.layout, agent.size, loss
         if channels_last:
-            # The image CNNs' weights in NHWC: convolutions then take and give channels-last maps (no
-            # NCHW-NHWC transposes around cuDNN's kernels), and the channel RMS norm, which normalizes
-            # over C of a channels-moved view, reads contiguous rows. Same values, other strides.
-            for cnn in (getattr(nets.encoder, "cnn", None), getattr(nets.image_decoder, "net", None)):
-                if cnn is not None:
-                    cnn.to(memory_format=torch.channels_last)
+            _to_channels_last(nets)
         self.params = list(nets.trained.parameters())
         self.optimizer = LaProp(self.params, optimizer)
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
         self.scan = Scan(nets, self.layout, self.size, self.device, frozen_prior=loss.actor_grad == "backprop")
-        # fuse_kernels: inductor also puts independent kernels of a compiled piece side by side in one launch
-        # (combo kernels; e.g. a scan step's norms) and fuses nodes that share no memory access. size1m on
-        # an H100: 3,142 kernels and 7.69 ms per update against 3,869 and 8.75 (BENCHMARKS.md).
-        fused = {"combo_kernels": True, "aggressive_fusion": True} if fuse_kernels else None
+        fused = FUSED_KERNELS if fuse_kernels else None
         self._embed = _Compiled(self.scan.embed_fn, self._report, options=fused)
         self._cell = _Compiled(self.scan.cell_fn, self._report, options=fused)
         self._imagine = _Compiled(self.scan.imagine_fn, self._report, options=fused)
