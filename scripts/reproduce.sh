@@ -10,6 +10,8 @@
 #                                             # cuDNN's algorithm search
 #   bash scripts/reproduce.sh learner-autotune  # size1m vector, 16 x 64: ours, ours with inductor's combo kernels,
 #                                             # ours with its Triton matmul templates (fewer launches?)
+#   bash scripts/reproduce.sh learner-fuse    # size12m and size50m images (FUSE_MODELS): ours, then ours with
+#                                             # run.fuse_kernels (inductor's combo kernels)
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU, 50 ms per step:
 #                                             # the server as a process, then as a thread (two rounds each)
 #   bash scripts/reproduce.sh pipeline-0ms    # the same at 0 ms (learner-bound), process then thread;
@@ -94,6 +96,18 @@ case "${1:-}" in
       --variant ours --limit 190 --out "$OUT/learner-cl-size200m.jsonl"
     $PY scripts/bench_learner.py --device cuda --model size200m --batch 32 --length 256 --obs image \
       --variant ours,ours_cl --cudnn-benchmark --limit 190 --out "$OUT/learner-cl-size200m.jsonl"
+    ;;
+  learner-fuse)
+    # run.fuse_kernels (inductor's combo kernels and aggressive fusion; size1m: 1.14 x) at the image sizes,
+    # ours then ours_fuse per model. FUSE_MODELS: the models (default size12m at 16 x 64 and size50m at
+    # 32 x 256, which fit one command; size200m at 32 x 256 in a second: FUSE_MODELS=size200m).
+    for model in ${FUSE_MODELS:-size12m size50m}; do
+      shape=(--batch 32 --length 256 --obs image)
+      [ "$model" = size12m ] && shape=(--batch 16 --length 64 --obs image)
+      [ "$model" = size1m ] && shape=(--batch 16 --length 64 --obs vector)
+      $PY scripts/bench_learner.py --device cuda --model "$model" "${shape[@]}" --variant ours,ours_fuse \
+        --limit "${FUSE_LIMIT:-140}" --kernel-tables "$OUT" --out "$OUT/learner-fuse-$model.jsonl"
+    done
     ;;
   learner-autotune)
     # size1m is launch-bound (3,869 kernels in 8.8 ms): inductor's combo kernels put independent kernels of a
