@@ -15,9 +15,9 @@ line is the ratio ours / torchrl (torchrl's faster configuration that warmed up)
 Variants: ours (compile + CUDA graph on CUDA; eager on CPU), ours_cl (ours with the image CNNs in
 channels-last memory format), ours_autotune (ours with inductor's Triton matmul templates, chosen by timing
 against cuBLAS, so that a matmul's bias, tap and casts fuse into its kernel: fewer launches, longer
-warm-up), ours_fuse (ours with `run.fuse_kernels`: inductor's combo kernels, independent kernels of a compiled graph, e.g. the
-norms of one scan step, fused side by side into one launch), ours_graph (CUDA graph, no compile),
-torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
+warm-up), ours_fuse (ours with `run.fuse_kernels`: inductor's combo kernels, independent kernels of a
+compiled graph, e.g. the norms of one scan step, side by side in one launch), ours_graph (CUDA graph, no
+compile), torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
 on CPU torchrl runs eagerly (torchrl_eager).
 """
 

@@ -350,3 +350,21 @@ def test_a_setting_added_since_a_run_was_made_is_no_change_at_the_value_the_run_
         "loss.actor_grad: <unset> -> backprop"]
     assert experiment_changes(old, {"loss": {"entropy": 3e-4, "lmbda": 0.95}, "seed": 0}) == [
         "loss.lmbda: <unset> -> 0.95"]  # a setting not in the table still counts
+
+
+def test_a_run_folder_made_before_a_run_setting_existed_resumes_as_the_same_experiment():
+    """A real run's config.yaml (the image run of learning/sets, made before `run.fuse_kernels` existed)
+    against today's config composed from the same overrides: no experiment change, so its resume is not
+    refused. A setting added later must be a run setting or have its earlier value in ADDED_SETTINGS."""
+    from omegaconf import OmegaConf
+
+    from dreamer.checkpoint import experiment_changes
+    from dreamer.config import compose_config
+
+    folder = Path(__file__).resolve().parents[1] / "learning/sets/dmc_vision_paper/walker_walk-seed0"
+    old = OmegaConf.to_container(OmegaConf.load(folder / "config.yaml"), resolve=False)
+    overrides = [str(line) for line in OmegaConf.load(folder / "overrides.yaml")]
+    new = OmegaConf.to_container(compose_config(overrides), resolve=False)
+    assert "fuse_kernels" not in old["run"] and "fuse_kernels" in new["run"]
+    assert experiment_changes(old, new) == []
+
