@@ -239,6 +239,20 @@ class ContinuousActor(nn.Module):
         return mean.tanh(), std
 
 
+def output_row_groups(nets: Networks, layout: EnvLayout) -> dict[int, list[int]]:
+    """Output layers whose rows feed different outputs, by id() of their weight and bias, with the rows'
+    sizes: the continuous actor's mean and spread, the vector decoder's observations (more than one).
+    The reference gives each of these outputs a layer of its own (`optimizer.agc_per_output`)."""
+    groups = {}
+    if isinstance(nets.actor_net, ContinuousActor):
+        last = nets.actor_net.mlp.model[-1]
+        groups[id(last.weight)] = groups[id(last.bias)] = [layout.action_dim] * 2
+    if nets.vector_decoder is not None and len(layout.vector_sizes) > 1:
+        last = nets.vector_decoder.mlp.model[-1]
+        groups[id(last.weight)] = groups[id(last.bias)] = list(layout.vector_sizes)
+    return groups
+
+
 def record_zeros(layout: EnvLayout, size: ModelSize, shape: tuple[int, ...] = ()) -> TensorDict:
     """A replay record of zeros (the layout of this module's docstring) with batch dimensions `shape`:
     the one spelling of the record that collection, the inference server's requests and the learner's

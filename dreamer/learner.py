@@ -40,7 +40,8 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from dreamer.agent import IMAGE_KEY, Agent, EnvLayout, LossSettings, record_zeros, torchrl_loss
+from dreamer.agent import (IMAGE_KEY, Agent, EnvLayout, LossSettings, output_row_groups, record_zeros,
+                           torchrl_loss)
 from dreamer.losses import Losses
 from dreamer.optim import LaProp, OptimizerSettings
 from dreamer.scan import Scan
@@ -250,7 +251,9 @@ class Learner:
         if channels_last:
             _to_channels_last(nets)
         self.params = list(nets.trained.parameters())
-        self.optimizer = LaProp(self.params, optimizer)
+        groups = output_row_groups(nets, self.layout) if optimizer.agc_per_output else {}
+        self.optimizer = LaProp(self.params, optimizer,
+                                {i: groups[id(p)] for i, p in enumerate(self.params) if id(p) in groups})
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
         self.scan = Scan(nets, self.layout, self.size, self.device, frozen_prior=loss.actor_grad == "backprop")
         fused = FUSED_KERNELS if fuse_kernels else None

@@ -26,6 +26,10 @@ class OptimizerSettings:
     warmup: int  # updates of linear learning-rate warm-up
     beta1: float
     beta2: float
+    # Adaptive clipping per output: the rows of an output layer that feed different outputs (the actor's mean
+    # and spread, each vector observation's prediction) clipped as tensors of their own, as the reference's
+    # separate output layers are; false clips each parameter tensor whole.
+    agc_per_output: bool
 
 
 class LaProp:
@@ -35,9 +39,16 @@ class LaProp:
     the device so that the step can sit inside a CUDA graph. Parameters without a gradient are skipped.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings):
+    def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings,
+                 row_groups: dict[int, list[int]] | None = None):
+        """`row_groups`: parameter index -> the sizes of its row blocks along dim 0, which adaptive clipping
+        treats as tensors of their own (the rest it clips whole)."""
         self.params = params
         self.settings = settings
+        self.row_groups = dict(row_groups or {})
+        for i, sizes in self.row_groups.items():
+            if sum(sizes) != params[i].shape[0]:
+                raise ValueError(f"row groups {sizes} of parameter {i} do not add up to its {params[i].shape[0]} rows")
         device = params[0].device
         self.rms = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self.momentum = [torch.zeros_like(p, dtype=torch.float32) for p in params]
@@ -59,14 +70,15 @@ class LaProp:
         lr = (s.lr * warmup).float()
         correction2 = (1 - s.beta2**step).float()
         scale = (-lr / (1 - s.beta1**step)).float()
-        grad_norms = torch._foreach_norm(grads)
+        units = self._units(index, grads)  # the tensors adaptive clipping sees: row groups split off
+        grad_norms = torch._foreach_norm(units)
         grad_norm = torch.linalg.vector_norm(torch.stack(grad_norms))
         if s.agc:
-            param_norms = torch._foreach_norm([p.detach().float() for p in params])
+            param_norms = torch._foreach_norm(self._units(index, [p.detach().float() for p in params]))
             torch._foreach_clamp_min_(param_norms, PARAMETER_NORM_MIN)
             limits = torch._foreach_mul(param_norms, s.agc)
             scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
-            grads = torch._foreach_mul(grads, scales)
+            grads = self._join(index, torch._foreach_mul(units, scales))
         torch._foreach_mul_(rms, s.beta2)
         torch._foreach_addcmul_(rms, grads, grads, value=1 - s.beta2)
         denominator = torch._foreach_sqrt(torch._foreach_div(rms, correction2))
@@ -76,6 +88,26 @@ class LaProp:
         updates = torch._foreach_mul(momentum, scale)
         torch._foreach_add_(params, updates)
         return grad_norm
+
+    def _units(self, index: list[int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self.row_groups:
+            return tensors
+        units = []
+        for i, tensor in zip(index, tensors):
+            sizes = self.row_groups.get(i)
+            units.extend(tensor.split(sizes) if sizes else (tensor,))
+        return units
+
+    def _join(self, index: list[int], units: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of `_units`: each parameter's row groups concatenated back."""
+        if not self.row_groups:
+            return units
+        joined, k = [], 0
+        for i in index:
+            n = len(self.row_groups.get(i, (None,)))
+            joined.append(torch.cat(units[k:k + n]) if n > 1 else units[k])
+            k += n
+        return joined
 
     def state_dict(self) -> dict:
         return {"rms": self.rms, "momentum": self.momentum, "step": self.step_count}

@@ -164,6 +164,43 @@ def test_optimizer_equals_torchrl_on_the_same_gradients():
     assert not torch.allclose(params[0], twins[0] + 1e-3)
 
 
+def test_clipping_per_output_clips_row_groups_as_tensors_of_their_own():
+    """optimizer.agc_per_output: a parameter's row groups are clipped as separate tensors would be (the
+    reference's separate output layers), and differently from the whole tensor when one group's gradient
+    is large (here the first group's, so that clipping the whole would shrink the second's too)."""
+    torch.manual_seed(0)
+    whole = [torch.nn.Parameter(torch.randn(6, 5) * 0.01), torch.nn.Parameter(torch.randn(6) * 0.01)]
+    grouped = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+    split = [torch.nn.Parameter(part.clone()) for p in whole for part in p.detach().split([2, 4])]
+    settings = _optimizer(lr=1e-2, warmup=0, agc=0.3)
+    ours, plain = LaProp(grouped, settings, {0: [2, 4], 1: [2, 4]}), LaProp(whole, settings)
+    separate = LaProp(split, settings)
+    for step in range(4):
+        grads = [torch.randn_like(p) for p in whole]
+        for g in grads:
+            g[:2] *= 100.0
+        norm = ours.step([g.clone() for g in grads])
+        assert torch.allclose(norm, plain.step([g.clone() for g in grads]))  # the same global norm reported
+        separate.step([part.clone() for g in grads for part in g.split([2, 4])])
+        for p, parts in zip(grouped, [split[:2], split[2:]]):
+            assert torch.allclose(p, torch.cat(parts), rtol=1e-6, atol=1e-8), step
+    assert not torch.allclose(grouped[0][2:], whole[0][2:], rtol=1e-3)
+    with pytest.raises(ValueError, match="do not add up"):
+        LaProp(whole, settings, {0: [2, 3]})
+
+
+def test_the_learner_groups_the_actors_mean_and_spread_when_asked():
+    agent, batch = _setup(CONTINUOUS)
+    learner = Learner(agent, SETTINGS, _optimizer(warmup=0, agc_per_output=True), "cpu")
+    last = agent.networks.actor_net.mlp.model[-1]
+    index = {id(p): i for i, p in enumerate(learner.params)}
+    dim = CONTINUOUS.action_dim
+    assert learner.optimizer.row_groups == {index[id(last.weight)]: [dim, dim], index[id(last.bias)]: [dim, dim]}
+    learner.update(batch.clone())
+    assert all(torch.isfinite(p).all() for p in learner.params)
+    assert Learner(agent, SETTINGS, _optimizer(), "cpu").optimizer.row_groups == {}
+
+
 def test_a_state_from_an_older_learner_or_a_newer_format_is_refused_in_one_line():
     agent, _ = _setup(VECTOR)
     learner = Learner(agent, SETTINGS, _optimizer(), "cpu")
