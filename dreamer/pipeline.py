@@ -198,12 +198,26 @@ class InlineSource(Source):
         self.envs, self.replay = cfg.run.envs, replay
         self.acting = ActingCopy(policy, layout, size, self.envs, device, cudagraph, cfg.run.sync_every) \
             if torch.device(device).type == "cuda" else None
-        self.collector = Collector(
-            [make_env(cfg.env, cfg.seed, i) for i in range(self.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
-            self.acting or policy, layout, size, "cpu" if self.acting else device, suite=cfg.env.suite)
-        self.times, self.steps, self.looped, self.last = StepTimes(), 0, 0.0, None
         ahead = self.acting is not None if ahead is None else ahead
         self.ahead = ThreadPoolExecutor(1, thread_name_prefix="dreamer-inline-step") if ahead else None
+
+        def build() -> Collector:
+            return Collector(
+                [make_env(cfg.env, cfg.seed, i) for i in range(self.envs)], lambda i: make_env(cfg.env, cfg.seed, i),
+                self.acting or policy, layout, size, "cpu" if self.acting else device, suite=cfg.env.suite)
+
+        # The envs are made, stepped and closed in one thread: an image env's EGL context (DeepMind Control's
+        # renderer) becomes current on the thread that made it, and the last one made there could not be
+        # rendered from another (its first step failed and the env was rebuilt, at every start).
+        if self.ahead is None:
+            self.collector = build()
+        else:
+            try:
+                self.collector = self.ahead.submit(build).result()  # an env's error is raised here
+            except BaseException:
+                self.ahead.shutdown(wait=False)
+                raise
+        self.times, self.steps, self.looped, self.last = StepTimes(), 0, 0.0, None
         self.next: Future | None = None  # the step running ahead in that thread
 
     def _step(self) -> tuple[int, list[Episode]]:
@@ -245,9 +259,9 @@ class InlineSource(Source):
     def close(self) -> None:
         """After the step running ahead (its records are not counted: the run ends before them).
 
-        The envs close in the thread that stepped them: an image env's EGL context (DeepMind Control's
-        renderer) stays current on the thread that rendered with it, and freeing it from another thread
-        fails. Only if that thread is still busy after 60 s do they close in the caller's."""
+        The envs close in the thread that made and stepped them (see __init__: an image env's EGL context
+        stays current there, and freeing it from another thread fails). Only if that thread is still busy
+        after 60 s do they close in the caller's."""
         closed, error = False, None
         if self.ahead is not None:
             if self.next is not None:

@@ -102,36 +102,46 @@ def test_inline_and_worker_sources_give_the_same_records():
     worker_replay.close()
 
 
-def test_the_inline_source_closes_its_envs_in_the_thread_that_stepped_them():
+def test_the_inline_source_makes_steps_and_closes_its_envs_in_one_thread(monkeypatch):
     """As on a CUDA learner, the source steps one step ahead in a thread of its own (`ahead=True`). Its real
     CartPole envs are made to behave as an image env under EGL does (the faked part): a renderer context
-    stays current on the thread that stepped the env, and closing the env from another thread fails."""
+    is current on the thread that made the env, and stepping or closing the env from another thread fails.
+    A step that fails rebuilds the env (counted in `restarts`), so each env's first step would show it."""
+    made_on, stepped_on, closed_on = {}, {}, {}
+
+    def make_bound_env(*args, **kwargs):
+        env, here = make_env(*args, **kwargs), threading.current_thread().name
+        made_on[id(env)] = here
+        step, close = env._step, env.close
+
+        def _step(tensordict):
+            if threading.current_thread().name != here:
+                raise RuntimeError("the renderer's context is current on another thread")
+            stepped_on[id(env)] = here
+            return step(tensordict)
+
+        def _close(**kwargs):
+            if threading.current_thread().name != here:
+                raise RuntimeError("the renderer's context is current on another thread")
+            closed_on[id(env)] = here
+            return close(**kwargs)
+        env._step, env.close = _step, _close
+        return env
+
+    monkeypatch.setattr("dreamer.pipeline.make_env", make_bound_env)
     cfg = _cfg("run.envs=2", "seed=3")
     settings = validate(cfg)
     layout = _layout(cfg)
     policy = LeanPolicy(settings.size.latent, settings.size.deter)
     replay = Replay(2, 4096, 4, 8, torch.device("cpu"), seed=0, context_dtype=torch.float32)
     source = InlineSource(cfg, policy, layout, settings.size, torch.device("cpu"), False, replay, ahead=True)
-    stepped_on, closed_on = {}, {}
-    for env in source.collector.envs:
-        def bound(env=env, step=env._step, close=env.close):
-            def _step(tensordict):
-                stepped_on[id(env)] = threading.current_thread().name
-                return step(tensordict)
-
-            def _close(**kwargs):
-                if stepped_on.get(id(env), threading.current_thread().name) != threading.current_thread().name:
-                    raise RuntimeError("the renderer's context is current on another thread")
-                closed_on[id(env)] = threading.current_thread().name
-                return close(**kwargs)
-            env._step, env.close = _step, _close
-        bound()
     for _ in range(5):
         assert source.gather()[0] == 2
+    assert source.restarts == 0  # no step failed (nor rebuilt an env)
     source.close()
     replay.close()
-    assert len(stepped_on) == 2 and all(name.startswith("dreamer-inline-step") for name in stepped_on.values())
-    assert closed_on == stepped_on
+    assert len(made_on) == 2 and all(name.startswith("dreamer-inline-step") for name in made_on.values())
+    assert stepped_on == made_on and closed_on == made_on
 
 
 def test_the_update_ratio_holds_through_the_inline_source():
