@@ -239,18 +239,22 @@ class ContinuousActor(nn.Module):
         return mean.tanh(), std
 
 
-def output_row_groups(nets: Networks, layout: EnvLayout) -> dict[int, list[int]]:
-    """Output layers whose rows feed different outputs, by id() of their weight and bias, with the rows'
-    sizes: the continuous actor's mean and spread, the vector decoder's observations (more than one).
-    The reference gives each of these outputs a layer of its own (`optimizer.agc_per_output`)."""
+def output_groups(nets: Networks, layout: EnvLayout, params: list[torch.nn.Parameter], per_output: bool
+                  ) -> tuple[dict[int, list[int]], int]:
+    """For LaProp: {index in `params`: its rows' sizes per output} of the output layers whose rows feed
+    different outputs (`per_output` only, else {}): the continuous actor's mean and spread, the vector
+    decoder's observations (more than one); the reference gives each output a layer of its own
+    (`optimizer.agc_per_output`). And the index of the actor's output weight (its clipping is a metric)."""
     groups = {}
-    if isinstance(nets.actor_net, ContinuousActor):
+    if per_output and isinstance(nets.actor_net, ContinuousActor):
         last = nets.actor_net.mlp.model[-1]
         groups[id(last.weight)] = groups[id(last.bias)] = [layout.action_dim] * 2
-    if nets.vector_decoder is not None and len(layout.vector_sizes) > 1:
+    if per_output and nets.vector_decoder is not None and len(layout.vector_sizes) > 1:
         last = nets.vector_decoder.mlp.model[-1]
         groups[id(last.weight)] = groups[id(last.bias)] = list(layout.vector_sizes)
-    return groups
+    actor_weight = [p for p in nets.actor_net.parameters() if p.dim() == 2][-1]  # its output layer's
+    return ({i: groups[id(p)] for i, p in enumerate(params) if id(p) in groups},
+            next(i for i, p in enumerate(params) if p is actor_weight))
 
 
 def record_zeros(layout: EnvLayout, size: ModelSize, shape: tuple[int, ...] = ()) -> TensorDict:

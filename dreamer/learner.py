@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from dreamer.agent import (IMAGE_KEY, Agent, EnvLayout, LossSettings, output_row_groups, record_zeros,
+from dreamer.agent import (IMAGE_KEY, Agent, EnvLayout, LossSettings, output_groups, record_zeros,
                            torchrl_loss)
 from dreamer.losses import Losses
 from dreamer.optim import LaProp, OptimizerSettings
@@ -50,7 +50,7 @@ METRICS = (
     "loss_model_reco", "loss_model_reward", "loss_model_dynamic", "loss_model_representation",
     "loss_model_continue", "loss_actor", "loss_value", "loss_replay_value",
     "actor_entropy", "return_low", "return_high", "return_scale", "continuation_mean", "value_slow_loss",
-    "replay_value", "reward_seen", "reward_real", "reward_imagined", "grad_norm",
+    "replay_value", "reward_seen", "reward_real", "reward_imagined", "grad_norm", "agc_clipped", "agc_actor",
 )
 
 
@@ -251,9 +251,8 @@ class Learner:
         if channels_last:
             _to_channels_last(nets)
         self.params = list(nets.trained.parameters())
-        groups = output_row_groups(nets, self.layout) if optimizer.agc_per_output else {}
         self.optimizer = LaProp(self.params, optimizer,
-                                {i: groups[id(p)] for i, p in enumerate(self.params) if id(p) in groups})
+                                *output_groups(nets, self.layout, self.params, optimizer.agc_per_output))
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
         self.scan = Scan(nets, self.layout, self.size, self.device, frozen_prior=loss.actor_grad == "backprop")
         fused = FUSED_KERNELS if fuse_kernels else None
@@ -279,12 +278,13 @@ class Learner:
         # parameter, where inductor would emit kernels per parameter (and compile longer).
         grad_norm = self.optimizer.step(grads)
         self.losses.update_slow_critic()
-        return grad_norm
+        return (grad_norm, *self.optimizer.clip_metrics())
 
     def _step(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One whole update on named input tensors; returns the posterior (state, belief) [B, T, ...]."""
         total, metrics, states, beliefs, scan = self._losses(inputs)
-        metrics["grad_norm"] = self._optimize(self._gradients(total, scan))
+        grads = self._gradients(total, scan)
+        metrics["grad_norm"], metrics["agc_clipped"], metrics["agc_actor"] = self._optimize(grads)
         self._metrics.add(metrics)
         return (states.detach().to(torch.float32, memory_format=torch.contiguous_format),
                 beliefs.detach().to(torch.float32, memory_format=torch.contiguous_format))

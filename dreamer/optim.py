@@ -40,12 +40,15 @@ class LaProp:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], settings: OptimizerSettings,
-                 row_groups: dict[int, list[int]] | None = None):
+                 row_groups: dict[int, list[int]] | None = None, watched: int = 0):
         """`row_groups`: parameter index -> the sizes of its row blocks along dim 0, which adaptive clipping
-        treats as tensors of their own (the rest it clips whole)."""
+        treats as tensors of their own (the rest it clips whole). `watched`: the parameter whose clipping
+        `clip_metrics` reports."""
         self.params = params
         self.settings = settings
         self.row_groups = dict(row_groups or {})
+        self.watched = watched
+        self.clip_scales: dict[tuple[int, int], torch.Tensor] = {}  # (parameter, row group): the last factor
         for i, sizes in self.row_groups.items():
             if sum(sizes) != params[i].shape[0]:
                 raise ValueError(f"row groups {sizes} of parameter {i} do not add up to its {params[i].shape[0]} rows")
@@ -79,6 +82,8 @@ class LaProp:
             limits = torch._foreach_mul(param_norms, s.agc)
             scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
             grads = self._join(index, torch._foreach_mul(units, scales))
+            owners = [(i, group) for i in index for group in range(len(self.row_groups.get(i, (None,))))]
+            self.clip_scales = dict(zip(owners, scales))
         torch._foreach_mul_(rms, s.beta2)
         torch._foreach_addcmul_(rms, grads, grads, value=1 - s.beta2)
         denominator = torch._foreach_sqrt(torch._foreach_div(rms, correction2))
@@ -88,6 +93,15 @@ class LaProp:
         updates = torch._foreach_mul(momentum, scale)
         torch._foreach_add_(params, updates)
         return grad_norm
+
+    def clip_metrics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the last step: the fraction of tensors (row groups apart) whose gradient adaptive clipping shrank,
+        and the factor it applied to the watched parameter's first rows (the actor's mean; 1: not clipped)."""
+        one = torch.ones((), device=self.step_count.device)
+        if not self.clip_scales:
+            return one * 0, one
+        clipped = (torch.stack(list(self.clip_scales.values())) < 1).float().mean()
+        return clipped, self.clip_scales.get((self.watched, 0), one)
 
     def _units(self, index: list[int], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.row_groups:

@@ -185,6 +185,9 @@ def test_clipping_per_output_clips_row_groups_as_tensors_of_their_own():
         for p, parts in zip(grouped, [split[:2], split[2:]]):
             assert torch.allclose(p, torch.cat(parts), rtol=1e-6, atol=1e-8), step
     assert not torch.allclose(grouped[0][2:], whole[0][2:], rtol=1e-3)
+    clipped, factor = ours.clip_metrics()  # every tensor's gradient is far above 0.3 x its parameters' norm
+    assert clipped == 1 and 0 < factor < plain.clip_metrics()[1] < 1  # the first rows alone, then with the rest
+    assert LaProp(whole, _optimizer(agc=0.0)).clip_metrics() == (0, 1)
     with pytest.raises(ValueError, match="do not add up"):
         LaProp(whole, settings, {0: [2, 3]})
 
@@ -198,6 +201,9 @@ def test_the_learner_groups_the_actors_mean_and_spread_when_asked():
     assert learner.optimizer.row_groups == {index[id(last.weight)]: [dim, dim], index[id(last.bias)]: [dim, dim]}
     learner.update(batch.clone())
     assert all(torch.isfinite(p).all() for p in learner.params)
+    metrics = learner.drain()
+    assert 0 <= metrics["train/agc_clipped"] <= 1 and 0 < metrics["train/agc_actor"] <= 1
+    assert learner.optimizer.watched == index[id(last.weight)]
     assert Learner(agent, SETTINGS, _optimizer(), "cpu").optimizer.row_groups == {}
 
 
