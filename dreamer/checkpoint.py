@@ -435,10 +435,11 @@ def trim_metrics(run_dir: Path, step: int) -> int:
 # Settings that say how a run is executed or reported, not what it learns: a rerun may change them.
 RUN_SETTINGS = ("run.name", "run.dir", "run.steps", "run.resume", "run.accept_changes", "run.log_every",
                 "run.eval_every", "run.eval_episodes", "run.eval_envs", "run.eval_video", "run.save_every",
-                "run.keep_checkpoints", "run.compile", "run.cudagraph", "run.fuse_kernels", "run.precision",
-                "run.threads", "run.collect", "run.chunk", "run.sync_every", "run.inference_wait_ms", "run.inference", "run.inference_threads",
-                "run.worker_stall_s", "run.worker_start", "run.ray_address", "run.ray_env_cpus",
-                "run.ray_env_memory_gb", "replay.storage", "topology", "logger")
+                "run.keep_checkpoints", "run.compile", "run.cudagraph", "run.fuse_kernels", "run.cudnn_benchmark",
+                "run.precision", "run.threads", "run.collect", "run.chunk", "run.sync_every", "run.inference_wait_ms",
+                "run.inference", "run.inference_threads", "run.worker_stall_s", "run.worker_start", "run.ray_address",
+                "run.ray_env_cpus", "run.ray_env_memory_gb", "run.ray_envs_per_pump", "replay.storage", "topology",
+                "logger")
 
 
 def _leaves(tree, prefix: str = "") -> dict:

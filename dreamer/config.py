@@ -122,6 +122,7 @@ class Settings:
     updates_per_step: float  # train_ratio / (batch_size * batch_length)
     collect: str = "inline"  # run.collect resolved: inline, workers or ray
     fuse_kernels: bool = False  # run.fuse_kernels: the compiled learner's pieces with inductor's combo kernels
+    cudnn_benchmark: bool = False  # run.cudnn_benchmark: cuDNN times its convolution algorithms per shape
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -134,9 +135,9 @@ def _flag(value, default: bool, name: str) -> bool:
 
 INTEGERS = ("seed", "batch_size", "batch_length", "run.steps", "run.envs", "run.train_start", "run.log_every",
             "run.eval_every", "run.eval_episodes", "run.eval_envs", "run.save_every", "run.keep_checkpoints",
-            "run.chunk", "run.sync_every", "run.inference_threads", "replay.size", "optimizer.warmup",
-            "loss.imag_length", "model.deter", "model.hidden", "model.stoch", "model.classes", "model.depth",
-            "model.units", "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers",
+            "run.chunk", "run.sync_every", "run.inference_threads", "run.ray_envs_per_pump", "replay.size",
+            "optimizer.warmup", "loss.imag_length", "model.deter", "model.hidden", "model.stoch", "model.classes",
+            "model.depth", "model.units", "model.blocks", "model.enc_layers", "model.dec_layers", "model.head_layers",
             "model.actor_layers", "model.critic_layers", "model.imag_layers", "model.obs_layers", "model.dyn_layers",
             "model.bins", "model.kernel")
 NUMBERS = ("run.train_ratio", "run.inference_wait_ms", "run.worker_stall_s", "run.ray_env_cpus",
@@ -168,6 +169,7 @@ RANGES = (
     ("run.worker_stall_s", lambda v: v > 0, "positive"),
     ("run.ray_env_cpus", lambda v: v > 0, "positive (CPUs each Ray env actor asks for; fractions allowed)"),
     ("run.ray_env_memory_gb", lambda v: v >= 0, "at least 0 (0 = no memory reserved)"),
+    ("run.ray_envs_per_pump", lambda v: v >= 1, "at least 1 (Ray env workers one pump process serves)"),
     ("replay.size", lambda v: v >= 1, "at least 1"),
     ("optimizer.lr", lambda v: v > 0, "positive"),
     ("optimizer.eps", lambda v: v > 0, "positive"),
@@ -204,7 +206,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # Settings newer than some run folders: an older config.yaml without one reads as this default (its readers
 # use the same), so that evaluating or continuing such a run still validates.
 ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
-               "run.ray_env_memory_gb": 0}
+               "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto"}
 
 
 def _check_types(cfg: DictConfig) -> None:
@@ -347,6 +349,9 @@ def validate(cfg: DictConfig) -> Settings:
         # 0.99 against 0.92, BENCHMARKS.md); inline on CPU, where there is no device work to overlap.
         collect=("workers" if cuda else "inline") if cfg.run.collect == "auto" else cfg.run.collect,
         fuse_kernels=_flag(cfg.run.fuse_kernels, False, "run.fuse_kernels"),
+        # auto: on CUDA (size200m images: 1.095 x on an H100, BENCHMARKS.md); convolutions only, so vector
+        # models are unchanged.
+        cudnn_benchmark=_flag(cfg.run.get("cudnn_benchmark", "auto"), cuda, "run.cudnn_benchmark") and cuda,
     )
 
 

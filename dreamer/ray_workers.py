@@ -9,25 +9,27 @@ Three parts:
   reply of a call of `exchange`, and the next call brings its answer. Every `run.chunk` records the
   finished chunk rides on a reply. Rows travel as bytes and chunks as numpy arrays (`Packed`), which Ray
   moves as they are; tensors would go through torch's pickling.
-- The pump (`_pump_main`), a process of the trainer's node that is the run's Ray driver: it keeps one
+- The pumps (`_pump_main`), processes of the trainer's node, each a Ray driver for up to
+  `run.ray_envs_per_pump` actors (the first starts a local cluster, the others join it): a pump keeps one
   `exchange` call in flight per actor; each reply's request goes into that env stream's slot of the
   inference server (the slot a worker process would own: `RowClient.post`), the server is woken once for
   the sweep and answers it in one pass, and each answer leaves with the stream's next call. A step
   therefore costs one Ray call, whose reply carries the observation and whose argument carries the
   action. Chunks go on to the trainer over a pipe, as their bytes (a worker process's go through shared
-  memory). The pump owns the actors: when it ends, Ray ends them.
+  memory). A pump owns its actors: when it ends, Ray ends them.
   torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
   calls (requests and answers pass through queue actors) and its own server beside the run's.
-- `RayPool`, in the trainer: the worker pool's interface (`dreamer.workers.WorkerPool`) for `Ingest` and
-  `dreamer.pipeline.WorkerSource`.
+- `RayPool`, in the trainer: the pumps, behind the worker pool's interface (`dreamer.workers.WorkerPool`)
+  for `Ingest` and `dreamer.pipeline.WorkerSource`.
 
 Faults, as for worker processes: an actor that dies (its process or its node lost: Ray raises on its
 call) or that takes no step for `run.worker_stall_s` (killed by the pump) is replaced by a new actor,
 which Ray places on any node with room; its records not yet sent are lost, its replay stream is ended
 at the last record the trainer received, and the new actor starts a fresh episode. An actor that dies
 `max_restarts` times without delivering a chunk in between stops collection with a CollectionError, as
-does a pump that does. An env that raises inside the actor is rebuilt there by the collector. The pump
-dies with the trainer (`dreamer.reaper`).
+do pumps that do. An env that raises inside the actor is rebuilt there by the collector. A pump that dies
+ends every stream (the pool stops the other pumps and starts them all again, new actors on fresh
+episodes). The pumps die with the trainer (`dreamer.reaper`).
 
 Timing (`WorkerPool.timing`'s six parts per env): policy, env, step and loop are the actor's collector's
 own; served is the server's part of the policy's round trip (from the pump's post to the answer) and wake
@@ -57,6 +59,9 @@ from dreamer.agent import EnvLayout, ModelSize
 from dreamer.collect import CollectionError, Collector, Episode
 from dreamer.inference import RowClient, Rows, request_spec, response_spec
 from dreamer.workers import TIMES, Chunk, first_env, worker_context
+
+# Ray's settings in a pump's environment that another process needs to join the local cluster it started.
+RAY_JOIN_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 # Bytes of Ray's object store on a local cluster, where the actors' chunks wait for the pump: room for a
 # few chunks per env, at least 512 MB.
@@ -221,9 +226,23 @@ class Note:
 
 @dataclass
 class Cluster:
-    """From the pump that started a local cluster: that cluster's processes ({pid: start time})."""
+    """From the pump that started a local cluster: that cluster's processes ({pid: start time}), its
+    address and the Ray settings of the pump's environment that joining it needs (its authentication
+    mode: the token itself is in the user's home), for the run's other pumps."""
 
     processes: dict[int, str]
+    address: str
+    environment: dict[str, str]
+
+
+@dataclass
+class Placed:
+    """From a pump: its actors' hosts ({host: actors}), all placed at `at` (the system's monotonic clock,
+    which every process of the node shares); `ray_start`: the seconds its Ray start took."""
+
+    hosts: dict[str, int]
+    at: float
+    ray_start: float
 
 
 def _connect(address: str | None, envs: int, env_cpus: float):
@@ -255,12 +274,12 @@ class _Pump:
         self.taken, self.sent, self.paused = taken, 0, None
         self.max_restarts, self.stall_seconds, self.options, self.suite = max_restarts, stall_seconds, options, suite
         self.stepped, self.times = stepped, times
-        n = len(clients)
-        self.actors: list = [None] * n
+        # Per env stream of this pump (`clients`: {stream: its inference client}; the run's stream numbers).
+        self.actors: dict = dict.fromkeys(clients)
         self.calls: dict = {}  # the exchange call in flight -> its stream
-        self.sent_at = [0.0] * n  # when each stream's call left
-        self.served = [0.0] * n  # the server's part of each stream's last round trip
-        self.deaths = [0] * n  # deaths in a row, per stream
+        self.sent_at = dict.fromkeys(clients, 0.0)  # when each stream's call left
+        self.served = dict.fromkeys(clients, 0.0)  # the server's part of each stream's last round trip
+        self.deaths = dict.fromkeys(clients, 0)  # deaths in a row, per stream
         self.placing: dict = {}  # `where` calls not answered yet -> stream
         self.hosts: dict[int, str] = {}
         self.announced = False
@@ -312,11 +331,7 @@ class _Pump:
             counts: dict[str, int] = {}
             for host in self.hosts.values():
                 counts[host] = counts.get(host, 0) + 1
-            where = ", ".join(f"{host} ({count})" for host, count in sorted(counts.items()))
-            now = time.monotonic()
-            self.writer.send(Note(f"{len(self.actors)} Ray env workers on {len(counts)} node(s): {where}; all placed "
-                                  f"{now - self.began:.1f} s after the pump's start (Ray's own start "
-                                  f"{self.connected - self.began:.1f} s)"))
+            self.writer.send(Placed(counts, time.monotonic(), self.connected - self.began))
             self.announced = True
         elif not self.announced and time.monotonic() - self.started > 60:
             resources = ray.available_resources()
@@ -329,7 +344,7 @@ class _Pump:
         import ray
         from ray.exceptions import RayError
 
-        for stream in range(len(self.actors)):
+        for stream in self.actors:
             self._start(stream)
         checked = time.monotonic()
         while not self.stop.is_set():
@@ -341,7 +356,7 @@ class _Pump:
                 continue
             if self.paused is not None:  # the actors waited for the trainer, not for their envs: no stall
                 held, self.paused = time.monotonic() - self.paused, None
-                self.sent_at = [at + held for at in self.sent_at]
+                self.sent_at = {stream: at + held for stream, at in self.sent_at.items()}
             ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=0.1)
             if ready:  # and every other call answered by now: one server pass for all of them
                 ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
@@ -396,9 +411,9 @@ class _Pump:
     def close(self) -> None:
         import ray
 
-        closing = [actor.close.remote() for actor in self.actors if actor is not None]
+        closing = [actor.close.remote() for actor in self.actors.values() if actor is not None]
         ray.wait(closing, num_returns=len(closing), timeout=10)  # each closes its env
-        for actor in self.actors:
+        for actor in self.actors.values():
             if actor is not None:
                 try:
                     ray.kill(actor, no_restart=True)
@@ -406,10 +421,13 @@ class _Pump:
                     pass
 
 
-def _pump_main(address: str | None, options: dict, args: tuple, clients: list, writer: Connection, stop,
-               max_restarts: int, stall_seconds: float, stepped, times, taken, suite: str, trainer: int) -> None:
-    """The pump process: joins (or starts) the cluster, runs the pump until `stop` is set, then ends the
-    actors and leaves the cluster."""
+def _pump_main(address: str | None, options: dict, args: tuple, clients: dict, envs: int, writer: Connection,
+               stop, max_restarts: int, stall_seconds: float, stepped, times, taken, suite: str, trainer: int,
+               environment: dict | None = None) -> None:
+    """A pump process: joins (or starts, for a run of `envs` env actors) the cluster, runs the pump of its
+    streams (`clients`) until `stop` is set, then ends their actors and leaves the cluster. `environment`:
+    settings to join with (`Cluster`)."""
+    os.environ.update(environment or {})
     reaper.bind(trainer)  # first: it dies with the trainer, however that dies
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # stopping is the trainer's call (see dreamer.workers)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -420,11 +438,18 @@ def _pump_main(address: str | None, options: dict, args: tuple, clients: list, w
     try:
         import ray
 
-        _connect(address, len(clients), options["num_cpus"])
+        if environment:
+            # Ray reads its settings from the environment once per process, and this one's fork server had
+            # imported Ray: read them again (as Ray's own start does when it turns on token authentication).
+            # Private to Ray: tests/test_ray.py's smoke run joins through it and fails if it changes.
+            ray._raylet.Config.initialize("")
+        _connect(address, envs, options["num_cpus"])
         if address is None:
             # Ray's own processes of a local cluster: most end with this process, not all of them (its
             # agents outlive a killed raylet). The trainer ends what is left (`RayPool`, `dreamer.reaper`).
-            writer.send(Cluster({pid: reaper.started_at(pid) for pid in reaper.descendants(os.getpid())}))
+            writer.send(Cluster({pid: reaper.started_at(pid) for pid in reaper.descendants(os.getpid())},
+                                ray.get_runtime_context().gcs_address,
+                                {key: value for key, value in os.environ.items() if key in RAY_JOIN_SETTINGS}))
         pump = _Pump(ray.remote(EnvWorker), args, clients, writer, stop, max_restarts, stall_seconds, stepped,
                      times, taken, options, suite, began)
         pump.run()
@@ -452,14 +477,28 @@ def _send(writer: Connection, message) -> None:
         pass
 
 
-class RayPool:
-    """`WorkerPool`'s interface over env workers that are Ray actors, fed by one pump process.
+@dataclass
+class _Shard:
+    """One pump of a `RayPool` and the env streams it serves."""
 
-    `on_restart(stream)` runs in the caller of `receive` when an actor was replaced, once the chunks it
-    sent are in the caller's hands (a replacement read after one of them waits for the next `receive`);
-    `forget_slot(stream)` (the inference server's) also runs when the pump itself died, whose
-    requests may be left in the slots; a pump that dies `max_restarts` times without a chunk in between
-    stops collection. `announce` prints the pump's notes (the actors' placement).
+    streams: list[int]
+    process: object = None
+    pipe: Connection | None = None
+    taken: object = None  # the chunks the pool has read from this pump (a shared counter, see _Pump)
+    spawned: float = 0.0
+
+
+class RayPool:
+    """`WorkerPool`'s interface over env workers that are Ray actors, fed by pump processes.
+
+    One pump serves up to `envs_per_pump` env streams (its CPU per env step bounds the steps it passes:
+    `collect/pump_busy`); the first starts the local cluster where there is no `address`, and the others
+    join it. `on_restart(stream)` runs in the caller of `receive` when an actor was replaced, once the chunks
+    it sent are in the caller's hands (a replacement read after one of them waits for the next `receive`).
+    A pump that dies ends every stream: all pumps stop, `forget_slot(stream)` (the inference server's) and
+    `on_restart(stream)` run for each (a dead pump's requests may be left in the slots), and new pumps start
+    new actors; pumps that die `max_restarts` times without a chunk in between stop collection. `announce`
+    prints the pool's notes (the actors' placement).
     """
 
     def __init__(self, env_cfg: dict, seed: int, layout: EnvLayout, size: ModelSize, clients: list,
@@ -467,9 +506,11 @@ class RayPool:
                  on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0,
                  start_method: str = "forkserver", address: str | None = None, env_cpus: float = 1.0,
                  env_memory_gb: float = 0.0, forget_slot: Callable[[int], None] | None = None,
-                 announce: Callable[[str], None] | None = print):
+                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32):
         reaper.guard()
-        # Without their error queues: the pump's start passes every descriptor of its arguments at once.
+        if envs_per_pump < 1:
+            raise ValueError(f"envs_per_pump must be at least 1, got {envs_per_pump}")
+        # Without their error queues: a pump's start passes every descriptor of its arguments at once.
         self.clients = [client.without_errors() if isinstance(client, RowClient) else client for client in clients]
         self.suite, self.max_restarts = suite, max_restarts
         self.on_restart, self.forget_slot, self.announce = on_restart, forget_slot, announce
@@ -481,12 +522,13 @@ class RayPool:
         self.context = worker_context(suite, start_method)
         self.stop = self.context.Event()
         n = len(clients)
+        self.envs_per_pump = envs_per_pump
+        self.shards = [_Shard(list(range(first, min(n, first + envs_per_pump))))
+                       for first in range(0, n, envs_per_pump)]
         self.stepped = self.context.RawArray("q", n)
         self.times = self.context.RawArray("d", TIMES * n)
-        self.taken = None  # chunks this pool has read from the current pump (a shared counter, see _Pump)
-        self.cluster: dict[int, str] = {}  # the processes of the pump's local Ray cluster
-        self.process = None
-        self.pipe: Connection | None = None
+        self.cluster: dict[int, str] = {}  # the processes of the first pump's local Ray cluster
+        self.placed: list[Placed] = []  # the pumps' placements since their start
         self.restarts = 0  # actor replacements, pump restarts and env rebuilds inside actors
         self.stalls = 0  # actors replaced for taking no step in stall_seconds
         self.deaths = 0  # pump deaths in a row
@@ -494,47 +536,82 @@ class RayPool:
         self._reading = False
         self.reading_since = 0.0
         self._closing = False
-        self._pump_cpu: tuple | None = None  # (pid, clock, CPU seconds) of the pump at the last `stats`
+        self._pump_cpu: dict[int, tuple] = {}  # pid -> (clock, CPU seconds) of each pump at the last `stats`
         self.held: Restarted | None = None  # a replacement whose stream's chunks the caller stores first
+
+    @property
+    def process(self):
+        """The first pump's process (the parent of a local cluster's processes)."""
+        return self.shards[0].process if self.shards else None
 
     def start(self) -> RayPool:
         self._spawn()
         return self
 
     def _spawn(self) -> None:
-        reader, writer = self.context.Pipe(duplex=False)
-        self.taken = self.context.RawValue("q", 0)
-        self.process = self.context.Process(
-            target=_pump_main, name="dreamer-ray-pump", daemon=True,
-            args=(self.address, self.options, self.args, self.clients, writer, self.stop, self.max_restarts,
-                  self.stall_seconds, self.stepped, self.times, self.taken, self.suite, os.getpid()))
-        self.process.start()
-        reaper.register(self.process.pid)
-        writer.close()
-        self.pipe = reader
+        """Starts the first pump; the others start with it where the cluster exists, else once it has
+        started the local one (its `Cluster` message)."""
+        self.placed = []
+        self._spawn_shard(self.shards[0], self.address)
+        if self.address is not None:
+            for shard in self.shards[1:]:
+                self._spawn_shard(shard, self.address)
 
-    def _dead(self) -> None:
-        """The pump's pipe closed: every stream ends, and a new pump starts new actors."""
-        self.pipe.close()
-        self.pipe = None
-        self.process.join(timeout=30)  # its exit ends its actors
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
-        reaper.kill_same(self.cluster)  # what its local cluster left behind
+    def _spawn_shard(self, shard: _Shard, address: str | None, environment: dict | None = None) -> None:
+        reader, writer = self.context.Pipe(duplex=False)
+        shard.taken = self.context.RawValue("q", 0)
+        shard.process = self.context.Process(
+            target=_pump_main, name="dreamer-ray-pump", daemon=True,
+            args=(address, self.options, self.args, {s: self.clients[s] for s in shard.streams}, len(self.clients),
+                  writer, self.stop, self.max_restarts, self.stall_seconds, self.stepped, self.times, shard.taken,
+                  self.suite, os.getpid(), environment))
+        shard.spawned = time.monotonic()
+        shard.process.start()
+        reaper.register(shard.process.pid)
+        writer.close()
+        shard.pipe = reader
+
+    def _stop_pumps(self, timeout: float) -> None:
+        """Sets `stop` and waits for every pump to end its actors and exit; kills those left after `timeout`."""
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        running = [shard for shard in self.shards if shard.process is not None]
+        while any(shard.process.is_alive() for shard in running) and time.monotonic() < deadline:
+            for shard in running:
+                if shard.pipe is not None and not self._reading and shard.pipe.poll():
+                    try:  # a pump blocked on a full pipe finishes its send, then sees stop
+                        os.read(shard.pipe.fileno(), 1 << 16)
+                    except OSError:
+                        pass
+                shard.process.join(0.02)
+        for shard in running:
+            if shard.process.is_alive():
+                shard.process.kill()
+            shard.process.join(timeout=5)
+        for shard in self.shards:
+            if shard.pipe is not None and not self._reading:
+                shard.pipe.close()
+                shard.pipe = None
+
+    def _dead(self, shard: _Shard) -> None:
+        """A pump's pipe closed: every pump stops, every stream ends, and new pumps start new actors."""
+        code = shard.process.exitcode if shard.process is not None else None
+        self._stop_pumps(timeout=30)  # the others end their actors; a pump's exit ends its own
+        reaper.kill_same(self.cluster)  # what the first pump's local cluster left behind
         self.cluster = {}
         if self._closing:
             return
         self.deaths += 1
         if self.deaths >= self.max_restarts:
-            raise CollectionError(f"the Ray env workers' pump died {self.deaths} times in a row (last exit code "
-                                  f"{self.process.exitcode}); stopping")
+            raise CollectionError(f"a pump of the Ray env workers died {self.deaths} times in a row (last exit "
+                                  f"code {code}); stopping")
         for stream in range(len(self.clients)):
             if self.forget_slot is not None:
                 self.forget_slot(stream)
             if self.on_restart is not None:
                 self.on_restart(stream)
         self.restarts += len(self.clients)
+        self.stop = self.context.Event()
         self._spawn()
 
     def receive(self, timeout: float) -> list[Chunk]:
@@ -543,44 +620,67 @@ class RayPool:
         if self.held is not None:  # a replacement read last time after chunks of its stream: theirs came first
             self._restarted(self.held)
             self.held = None
-        if self.pipe is None or not wait([self.pipe], timeout):
+        pipes = [shard.pipe for shard in self.shards if shard.pipe is not None]
+        if not pipes or not wait(pipes, timeout):
             return []
-        chunks = []
-        while self.pipe is not None and len(chunks) < len(self.clients) and self.pipe.poll():
-            self._reading, self.reading_since = True, time.monotonic()
-            start = time.perf_counter()
-            try:
-                message = self.pipe.recv()
-            except (EOFError, OSError):
-                message = None
-            finally:
-                self._reading = False
-            self.read_seconds += time.perf_counter() - start
-            if isinstance(message, Restarted) and any(c.stream == message.stream for c in chunks):
-                self.held = message  # the caller stores those chunks before the stream ends
-                break
-            if message is None and chunks:
-                break  # the caller stores these before every stream ends; the next call reads the end again
-            if message is None:
-                self._dead()
-            elif isinstance(message, Chunk):
-                message.records = message.records.tensordict()
-                self.deaths = 0
-                self.restarts += message.env_restarts
-                self.taken.value += 1
-                chunks.append(message)
-            elif isinstance(message, Restarted):
-                self._restarted(message)
-            elif isinstance(message, Note):
-                if self.announce:
-                    self.announce(f"dreamer: {message.text}")
-            elif isinstance(message, Cluster):
-                self.cluster.update({pid: started for pid, started in message.processes.items() if started})
-                for pid in message.processes:
-                    reaper.register(pid)  # ended with the trainer, however it ends
-            else:
-                raise CollectionError(str(message))
+        chunks: list[Chunk] = []
+        for shard in list(self.shards):
+            while shard.pipe is not None and len(chunks) < len(self.clients) and shard.pipe.poll():
+                self._reading, self.reading_since = True, time.monotonic()
+                start = time.perf_counter()
+                try:
+                    message = shard.pipe.recv()
+                except (EOFError, OSError):
+                    message = None
+                finally:
+                    self._reading = False
+                self.read_seconds += time.perf_counter() - start
+                if isinstance(message, Restarted) and any(c.stream == message.stream for c in chunks):
+                    self.held = message  # the caller stores those chunks before the stream ends
+                    return chunks
+                if message is None:
+                    if not chunks:  # else the caller stores these first; the next call reads the end again
+                        self._dead(shard)
+                    return chunks
+                if isinstance(message, Chunk):
+                    message.records = message.records.tensordict()
+                    self.deaths = 0
+                    self.restarts += message.env_restarts
+                    shard.taken.value += 1
+                    chunks.append(message)
+                elif isinstance(message, Restarted):
+                    self._restarted(message)
+                elif isinstance(message, Note):
+                    if self.announce:
+                        self.announce(f"dreamer: {message.text}")
+                elif isinstance(message, Placed):
+                    self._placed(message)
+                elif isinstance(message, Cluster):
+                    self.cluster.update({pid: started for pid, started in message.processes.items() if started})
+                    for pid in message.processes:
+                        reaper.register(pid)  # ended with the trainer, however it ends
+                    for other in self.shards[1:]:  # the other pumps join the local cluster
+                        if other.process is None or not other.process.is_alive():
+                            self._spawn_shard(other, message.address, message.environment)
+                else:
+                    raise CollectionError(str(message))
         return chunks
+
+    def _placed(self, message: Placed) -> None:
+        """Says where the actors went once every pump has placed its own."""
+        self.placed.append(message)
+        if len(self.placed) < len(self.shards) or not self.announce:
+            return
+        counts: dict[str, int] = {}
+        for placed in self.placed:
+            for host, count in placed.hosts.items():
+                counts[host] = counts.get(host, 0) + count
+        where = ", ".join(f"{host} ({count})" for host, count in sorted(counts.items()))
+        pumps = f"; {len(self.shards)} pumps of up to {self.envs_per_pump} env workers" if len(self.shards) > 1 else ""
+        after = max(placed.at for placed in self.placed) - self.shards[0].spawned
+        self.announce(f"dreamer: {len(self.clients)} Ray env workers on {len(counts)} node(s): {where}; all placed "
+                      f"{after:.1f} s after the pump's start (Ray's own start {self.placed[0].ray_start:.1f} s)"
+                      f"{pumps}")
 
     def _restarted(self, message: Restarted) -> None:
         self.restarts += 1
@@ -599,35 +699,26 @@ class RayPool:
         return self._reading and time.monotonic() - self.reading_since > seconds
 
     def stats(self) -> dict[str, float]:
-        """collect/pump_busy: the pump's CPU time (user and system) over the wall time since the last call.
-        The pump is one process: near 1.0 it is what limits the Ray workers' steps."""
-        now, cpu = time.monotonic(), _cpu_seconds(self.process.pid) if self.process is not None else None
-        last, self._pump_cpu = self._pump_cpu, (self.process.pid if self.process else None, now, cpu)
-        if cpu is None or last is None or last[0] != self._pump_cpu[0] or last[2] is None or now <= last[1]:
-            return {}
-        return {"collect/pump_busy": (cpu - last[2]) / (now - last[1])}
+        """collect/pump_busy: the busiest pump's CPU time (user and system) over the wall time since the last
+        call. Near 1.0 that pump is what limits its Ray workers' steps (`run.ray_envs_per_pump`)."""
+        now, busy, last = time.monotonic(), [], self._pump_cpu
+        self._pump_cpu = {}
+        for shard in self.shards:
+            if shard.process is None or shard.process.pid is None:
+                continue
+            pid = shard.process.pid
+            cpu = _cpu_seconds(pid)
+            self._pump_cpu[pid] = (now, cpu)
+            before = last.get(pid)
+            if cpu is not None and before is not None and before[1] is not None and now > before[0]:
+                busy.append((cpu - before[1]) / (now - before[0]))
+        return {"collect/pump_busy": max(busy)} if busy else {}
 
     def close(self, timeout: float = 20.0) -> None:
-        """Stops the pump, which ends its actors and leaves the cluster; kills it after `timeout` s."""
+        """Stops the pumps, which end their actors and leave the cluster; kills them after `timeout` s."""
         self._closing = True
-        self.stop.set()
-        if self.process is None:
-            return
-        deadline = time.monotonic() + timeout
-        while self.process.is_alive() and time.monotonic() < deadline:
-            if self.pipe is not None and not self._reading and self.pipe.poll():
-                try:  # a pump blocked on a full pipe finishes its send, then sees stop
-                    os.read(self.pipe.fileno(), 1 << 16)
-                except OSError:
-                    pass
-            self.process.join(0.05)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        reaper.kill_same(self.cluster)  # none are left after a clean shutdown of the pump's cluster
-        if self.pipe is not None and not self._reading:
-            self.pipe.close()
-            self.pipe = None
+        self._stop_pumps(timeout)
+        reaper.kill_same(self.cluster)  # none are left after a clean shutdown of the first pump's cluster
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -165,6 +165,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
               "their gradient is mostly rounding: loss.two_hot=symlog (the earlier agent's heads) is its pairing",
               flush=True)
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
+    torch.backends.cudnn.benchmark = settings.cudnn_benchmark  # before the warm-up's first convolutions
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size)
     learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph,

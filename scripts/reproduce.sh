@@ -213,17 +213,23 @@ case "${1:-}" in
     # SIGINTed after RAY_SECONDS; scripts/run_figures.py --collecting gives its env steps/s. Replay: 200K records
     # (at 256 envs still 781 per stream). A Ray run needs the longer time: on the H100 machine 90 s left a run of
     # 64 actors 7 s of collecting after its start-up (the placement line says how long Ray's start took).
-    collect_run() {  # collect_run SOURCE ENVS
+    collect_run() {  # collect_run SOURCE ENVS [ENVS_PER_PUMP]
+      local name="$1-$2${3:+-$3}"
       timeout --foreground --signal=INT -k 60 "${RAY_SECONDS:-200}" $PY -m dreamer.train +exp=minecraft env=emulated \
         run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=1 \
-        run.collect="$1" run.envs="$2" hydra.run.dir="$OUT/ray-$1-$2-run" > "$OUT/ray-$1-$2.log" 2>&1 || true
-      rm -rf "$OUT/ray-$1-$2-run/checkpoints"
-      grep -h "Ray env workers on\|stepping" "$OUT/ray-$1-$2.log" || true
-      $PY scripts/run_figures.py "$OUT/ray-$1-$2-run" --collecting --out "$OUT/ray.jsonl" ||
-        echo "$1 at $2 envs: no figures (its log: $OUT/ray-$1-$2.log)"
+        run.collect="$1" run.envs="$2" ${3:+run.ray_envs_per_pump=$3} hydra.run.dir="$OUT/ray-$name-run" \
+        > "$OUT/ray-$name.log" 2>&1 || true
+      rm -rf "$OUT/ray-$name-run/checkpoints"
+      grep -h "Ray env workers on\|stepping" "$OUT/ray-$name.log" || true
+      $PY scripts/run_figures.py "$OUT/ray-$name-run" --collecting --out "$OUT/ray.jsonl" ||
+        echo "$name: no figures (its log: $OUT/ray-$name.log)"
     }
-    # RAY_RUNS: SOURCE:ENVS pairs, run in turn (a long list may need two commands of 10 minutes).
-    for pair in ${RAY_RUNS:-workers:64 ray:64 ray:128 ray:256}; do collect_run "${pair%%:*}" "${pair##*:}"; done
+    # RAY_RUNS: SOURCE:ENVS or ray:ENVS:ENVS_PER_PUMP (run.ray_envs_per_pump; the config's 32 without it), run in
+    # turn (a long list may need two commands of 10 minutes).
+    for run in ${RAY_RUNS:-workers:64 ray:64 ray:128 ray:256}; do
+      IFS=: read -r source envs per_pump <<< "$run"
+      collect_run "$source" "$envs" "$per_pump"
+    done
     if [ "${RAY_TRAIN:-0}" = 1 ]; then
       timeout --foreground --signal=INT -k 60 "${MINECRAFT_SECONDS:-360}" $PY -m dreamer.train +exp=minecraft \
         env=emulated run.collect=ray run.log_every=8192 hydra.run.dir="$OUT/ray-train-run" > "$OUT/ray-train.log" 2>&1 || true

@@ -126,6 +126,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
     ("loss.actor_grad", "dynamics", "loss.actor_grad must be reinforce or backprop, got 'dynamics'"),
     ("run.fuse_kernels", "yes", "run.fuse_kernels must be auto, true or false, got 'yes'"),
+    ("run.cudnn_benchmark", "fast", "run.cudnn_benchmark must be auto, true or false, got 'fast'"),
 ])
 def test_other_bad_values_are_one_line(key, value, words):
     cfg = _smoke_cfg()
@@ -215,6 +216,20 @@ def test_run_collect_auto_is_workers_on_a_cuda_learner_and_inline_on_cpu(monkeyp
     assert _compose(["+exp=dmc_proprio"]).run.collect == "auto"
     settings = validate(cfg)
     assert settings.collect == resolved and f"{resolved} collection" in describe(settings)
+
+
+@pytest.mark.parametrize("gpus, chosen, resolved", [
+    (0, "auto", False), (1, "auto", True), (1, "false", False), (0, "true", False)])
+def test_cudnn_benchmark_is_on_with_a_cuda_learner_unless_turned_off(monkeypatch, gpus, chosen, resolved):
+    """cuDNN's algorithm search (run.cudnn_benchmark) follows the learner's device; the GPU count is what the
+    topology sees (no GPU is used here)."""
+    import dreamer.topology
+
+    monkeypatch.setattr(dreamer.topology, "visible_gpus", lambda: gpus)
+    cfg = _compose(["+exp=dmc_vision", "model=size12m", f"run.cudnn_benchmark={chosen}"])
+    with open_dict(cfg):
+        del cfg.run["dir"]
+    assert validate(cfg).cudnn_benchmark is resolved
 
 
 @pytest.mark.parametrize("override", ["optimiser.lr=1e-3", "+optimiser.lr=1e-3", "run.stepz=5"])

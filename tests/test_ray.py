@@ -87,12 +87,13 @@ def test_a_killed_actor_is_replaced_its_stream_ended_and_nothing_in_replay_lost(
 
 
 def test_a_smoke_training_with_four_ray_workers_survives_a_killed_actor_and_leaves_no_process(tmp_path):
-    """`python -m dreamer.train +exp=emulated +debug=smoke run.collect=ray run.envs=4`: trains, an actor
-    SIGKILLed mid-run is replaced, the run finishes, and no process of it (pump, cluster, actors) is left."""
+    """`python -m dreamer.train +exp=emulated +debug=smoke run.collect=ray run.envs=4 run.ray_envs_per_pump=2`:
+    two pumps (the second joins the cluster the first starts), trains, an actor SIGKILLed mid-run is replaced,
+    the run finishes, and no process of it (pumps, cluster, actors) is left."""
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "dreamer.train", "+exp=emulated", "+debug=smoke", "run.collect=ray",
-               "run.envs=4", "run.chunk=16", "run.steps=1200", "env.step_latency=0.005", "run.eval_every=0",
-               "run.eval_episodes=0", f"run.dir={run_dir}"]
+               "run.envs=4", "run.ray_envs_per_pump=2", "run.chunk=16", "run.steps=1200", "env.step_latency=0.005",
+               "run.eval_every=0", "run.eval_episodes=0", f"run.dir={run_dir}"]
     trainer = subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     seen: dict[int, str] = {}
@@ -112,6 +113,7 @@ def test_a_smoke_training_with_four_ray_workers_survives_a_killed_actor_and_leav
             trainer.communicate()
     assert trainer.returncode == 0, output[-3000:]
     assert "Ray env worker" in output and "replaced" in output, output[-3000:]
+    assert "4 Ray env workers on 1 node(s)" in output and "2 pumps of up to 2 env workers" in output, output[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r["kind"] == "train"]
     assert train and train[-1]["updates"] > 0 and train[-1]["env_steps"] >= 1200

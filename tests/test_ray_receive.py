@@ -12,7 +12,7 @@ import time
 import torch
 from tensordict import TensorDict
 
-from dreamer.ray_workers import Packed, RayPool, Restarted
+from dreamer.ray_workers import Packed, Placed, RayPool, Restarted
 from dreamer.workers import Chunk
 
 
@@ -26,7 +26,7 @@ def _pool(events: list) -> tuple[RayPool, object]:
                    announce=None)
     context = multiprocessing.get_context("spawn")
     reader, writer = context.Pipe(duplex=False)
-    pool.pipe, pool.taken = reader, context.RawValue("q", 0)
+    pool.shards[0].pipe, pool.shards[0].taken = reader, context.RawValue("q", 0)
     return pool, writer
 
 
@@ -79,12 +79,12 @@ def test_chunks_read_before_the_pumps_end_are_handed_over_before_it_counts_as_de
     writer.send(_chunk(0, 0))
     writer.close()  # the pump died after sending a chunk
     _read(pool, events)
-    assert events == [("chunk", 0, 0)] and pool.pipe is not None  # not yet dead: that chunk goes first
+    assert events == [("chunk", 0, 0)] and pool.shards[0].pipe is not None  # not yet dead: that chunk goes first
     pool._closing = True  # the pump's end is then read as a closing pool's, which starts no new pump
-    pool.process = multiprocessing.get_context("spawn").Process(target=int)
-    pool.process.start()
+    pool.shards[0].process = multiprocessing.get_context("spawn").Process(target=int)
+    pool.shards[0].process.start()
     _read(pool, events)
-    assert pool.pipe is None and events == [("chunk", 0, 0)]
+    assert pool.shards[0].pipe is None and events == [("chunk", 0, 0)]
 
 
 def _spin(seconds: float) -> None:
@@ -98,14 +98,14 @@ def test_pump_busy_is_the_pumps_cpu_time_over_the_wall_time():
     pool, _ = _pool([])
     context = multiprocessing.get_context("spawn")
     for target, low, high in ((_spin, 0.3, 1.2), (time.sleep, 0.0, 0.1)):
-        pool.process = context.Process(target=target, args=(6.0,))
-        pool.process.start()
+        pool.shards[0].process = context.Process(target=target, args=(6.0,))
+        pool.shards[0].process.start()
         time.sleep(2.0)  # past the child's start (its imports count as busy)
         assert pool.stats() == {}  # the first call of a pump only marks the start
         time.sleep(2.0)
         busy = pool.stats()["collect/pump_busy"]
         assert low <= busy <= high, (target, busy)
-        pool.process.join()
+        pool.shards[0].process.join()
 
 
 def _transport(slots: int):
@@ -150,3 +150,64 @@ def test_a_client_without_its_error_queue_names_its_slot_when_the_server_fails(c
     else:
         raise AssertionError("a failed request returned an answer")
     assert "ValueError(\"the policy's input is wrong\")" in capfd.readouterr().err
+
+
+def _pumps(pool: RayPool) -> list:
+    """Each of the pool's pumps fed through a pipe written here: the writers."""
+    context = multiprocessing.get_context("spawn")
+    writers = []
+    for shard in pool.shards:
+        reader, writer = context.Pipe(duplex=False)
+        shard.pipe, shard.taken = reader, context.RawValue("q", 0)
+        writers.append(writer)
+    return writers
+
+
+def test_a_pool_of_two_pumps_hands_over_both_and_says_where_the_actors_went_once_both_placed_theirs():
+    events, notes = [], []
+    pool = RayPool({}, 0, None, None, [None] * 3, on_restart=lambda s: events.append(("restart", s)),
+                   announce=notes.append, envs_per_pump=2)
+    assert [shard.streams for shard in pool.shards] == [[0, 1], [2]]
+    writers = _pumps(pool)
+    now = time.monotonic()
+    pool.shards[0].spawned = now - 5.0
+    writers[0].send(Placed({"cpu-1": 2}, now, 1.5))
+    writers[0].send(_chunk(1, 0))
+    _read(pool, events)
+    assert events == [("chunk", 1, 0)] and notes == []  # the second pump's actors are not placed yet
+    writers[1].send(_chunk(2, 0))
+    writers[1].send(Placed({"cpu-2": 1}, now + 2.0, 0.0))
+    writers[0].send(_chunk(0, 0))
+    _read(pool, events)
+    assert sorted(events) == [("chunk", 0, 0), ("chunk", 1, 0), ("chunk", 2, 0)]
+    assert notes == ["dreamer: 3 Ray env workers on 2 node(s): cpu-1 (2), cpu-2 (1); all placed 7.0 s after the "
+                     "pump's start (Ray's own start 1.5 s); 2 pumps of up to 2 env workers"]
+    assert [shard.taken.value for shard in pool.shards] == [2, 1]  # each pump's backpressure counts its own
+
+
+def _wait_for(stop) -> None:
+    stop.wait(60)  # a live pump: it ends when the pool sets stop
+
+
+def test_a_pumps_death_stops_the_other_pumps_ends_every_stream_and_starts_them_again(monkeypatch):
+    """The second pump dies: the first (here a process that waits for `stop`, as a pump's loop does) ends,
+    every stream ends with its slot forgotten, and the pool starts new pumps (recorded here, not started:
+    a real start is tests/test_ray.py's)."""
+    events, forgotten, started = [], [], []
+    pool = RayPool({}, 0, None, None, [None] * 2, on_restart=lambda s: events.append(("restart", s)),
+                   forget_slot=forgotten.append, announce=None, envs_per_pump=1)
+    writers = _pumps(pool)
+    stop = pool.stop
+    context = multiprocessing.get_context("spawn")
+    pool.shards[0].process = context.Process(target=_wait_for, args=(stop,))
+    pool.shards[1].process = context.Process(target=int)
+    for shard in pool.shards:
+        shard.process.start()
+    pool.shards[1].process.join()
+    writers[1].close()  # the second pump died
+    monkeypatch.setattr(pool, "_spawn", lambda: started.append(pool.stop))
+    _read(pool, events)
+    assert pool.shards[0].process.exitcode == 0  # it ended on stop, not killed
+    assert stop.is_set() and [shard.pipe for shard in pool.shards] == [None, None]
+    assert events == [("restart", 0), ("restart", 1)] and forgotten == [0, 1] and pool.restarts == 2
+    assert started and started[0] is not stop and not started[0].is_set()  # the new pumps' own stop
