@@ -678,9 +678,9 @@ class RayPool:
         where = ", ".join(f"{host} ({count})" for host, count in sorted(counts.items()))
         pumps = f"; {len(self.shards)} pumps of up to {self.envs_per_pump} env workers" if len(self.shards) > 1 else ""
         after = max(placed.at for placed in self.placed) - self.shards[0].spawned
+        ray_start = max(placed.ray_start for placed in self.placed)
         self.announce(f"dreamer: {len(self.clients)} Ray env workers on {len(counts)} node(s): {where}; all placed "
-                      f"{after:.1f} s after the pump's start (Ray's own start {self.placed[0].ray_start:.1f} s)"
-                      f"{pumps}")
+                      f"{after:.1f} s after the pump's start (Ray's own start {ray_start:.1f} s){pumps}")
 
     def _restarted(self, message: Restarted) -> None:
         self.restarts += 1
