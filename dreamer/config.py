@@ -363,6 +363,12 @@ def describe(settings: Settings) -> str:
     return f"learner {step}, {precision}; {settings.collect} collection; {settings.topology.describe()}"
 
 
+def set_cudnn(settings: Settings) -> None:
+    """run.cudnn_benchmark for this process. Here, not in the training entry point: a joblib sweep pickles
+    that function by value, and torch's cuDNN module object does not pickle."""
+    torch.backends.cudnn.benchmark = settings.cudnn_benchmark
+
+
 def set_threads(threads, learner: torch.device) -> None:
     """run.threads: auto = one intra-op thread for a CPU learner, torch's default otherwise.
 

@@ -18,8 +18,8 @@ from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 from dreamer import checkpoint
 from dreamer.agent import EnvLayout, build_agent
 from dreamer.collect import CollectionError
-from dreamer.config import (ConfigError, check_composes, check_overrides, compose_config, describe, set_threads,
-                            validate)
+from dreamer.config import (ConfigError, check_composes, check_overrides, compose_config, describe, set_cudnn,
+                            set_threads, validate)
 from dreamer.envs import frames_per_step, make_env
 from dreamer.evaluate import (evaluate, make_evaluator, missing_video_support, run_with_frames, summarize,
                               write_videos)
@@ -165,7 +165,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
               "their gradient is mostly rounding: loss.two_hot=symlog (the earlier agent's heads) is its pairing",
               flush=True)
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
-    torch.backends.cudnn.benchmark = settings.cudnn_benchmark  # before the warm-up's first convolutions
+    set_cudnn(settings)  # before the warm-up's first convolutions
     with torch.device(device):  # every parameter and buffer is created where it is used
         agent = build_agent(layout, settings.size)
     learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph,
