@@ -206,7 +206,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # Settings newer than some run folders: an older config.yaml without one reads as this default (its readers
 # use the same), so that evaluating or continuing such a run still validates.
 ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
-               "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 64, "run.cudnn_benchmark": "auto"}
+               "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto"}
 
 
 def _check_types(cfg: DictConfig) -> None:

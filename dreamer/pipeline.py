@@ -337,7 +337,7 @@ class WorkerSource(Source):
                                 start_method=cfg.run.worker_start, address=cfg.run.get("ray_address"),
                                 env_cpus=cfg.run.get("ray_env_cpus", 1),
                                 env_memory_gb=cfg.run.get("ray_env_memory_gb", 0),
-                                envs_per_pump=cfg.run.get("ray_envs_per_pump", 64),
+                                envs_per_pump=cfg.run.get("ray_envs_per_pump", 32),
                                 forget_slot=inference.forget_slot, announce=self.announce).start()
         else:
             self.pool = WorkerPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,

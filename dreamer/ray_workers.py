@@ -506,7 +506,7 @@ class RayPool:
                  on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0,
                  start_method: str = "forkserver", address: str | None = None, env_cpus: float = 1.0,
                  env_memory_gb: float = 0.0, forget_slot: Callable[[int], None] | None = None,
-                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 64):
+                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32):
         reaper.guard()
         if envs_per_pump < 1:
             raise ValueError(f"envs_per_pump must be at least 1, got {envs_per_pump}")

@@ -224,7 +224,7 @@ case "${1:-}" in
       $PY scripts/run_figures.py "$OUT/ray-$name-run" --collecting --out "$OUT/ray.jsonl" ||
         echo "$name: no figures (its log: $OUT/ray-$name.log)"
     }
-    # RAY_RUNS: SOURCE:ENVS or ray:ENVS:ENVS_PER_PUMP (run.ray_envs_per_pump; the config's 64 without it), run in
+    # RAY_RUNS: SOURCE:ENVS or ray:ENVS:ENVS_PER_PUMP (run.ray_envs_per_pump; the config's 32 without it), run in
     # turn (a long list may need two commands of 10 minutes).
     for run in ${RAY_RUNS:-workers:64 ray:64 ray:128 ray:256}; do
       IFS=: read -r source envs per_pump <<< "$run"
