@@ -209,6 +209,12 @@ ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address"
                "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto"}
 
 
+def setting(cfg: DictConfig, key: str):
+    """`cfg`'s value at `key` ("run.eval_envs"), or the ADDED_LATER default where an older run folder's config
+    lacks it: the one place those defaults are read."""
+    return OmegaConf.select(cfg, key, default=ADDED_LATER[key])
+
+
 def _check_types(cfg: DictConfig) -> None:
     for key in INTEGERS + NUMBERS:
         value = OmegaConf.select(cfg, key)
@@ -222,7 +228,7 @@ def _check_types(cfg: DictConfig) -> None:
 
 def _check_ranges(cfg: DictConfig) -> None:
     for key, allowed, words in RANGES:
-        value = OmegaConf.select(cfg, key, default=ADDED_LATER.get(key))
+        value = setting(cfg, key) if key in ADDED_LATER else OmegaConf.select(cfg, key)
         if not math.isfinite(value) or not allowed(value):  # inf or nan is never a setting
             raise ConfigError(f"{key} must be {words}, got {value}")
     for key, choices in CHOICES.items():
@@ -324,7 +330,7 @@ def validate(cfg: DictConfig) -> Settings:
     if cfg.model.deter % cfg.model.blocks:
         raise ConfigError(f"model.deter={cfg.model.deter} must be a multiple of model.blocks={cfg.model.blocks}")
     if cfg.run.collect == "ray":
-        _check_ray(cfg.run.get("ray_address"))
+        _check_ray(setting(cfg, "run.ray_address"))
     try:
         check_task(cfg.env)
     except EnvConfigError as error:
@@ -351,7 +357,7 @@ def validate(cfg: DictConfig) -> Settings:
         fuse_kernels=_flag(cfg.run.fuse_kernels, False, "run.fuse_kernels"),
         # auto: on CUDA (size200m images: 1.095 x on an H100, BENCHMARKS.md); convolutions only, so vector
         # models are unchanged.
-        cudnn_benchmark=_flag(cfg.run.get("cudnn_benchmark", "auto"), cuda, "run.cudnn_benchmark") and cuda,
+        cudnn_benchmark=_flag(setting(cfg, "run.cudnn_benchmark"), cuda, "run.cudnn_benchmark") and cuda,
     )
 
 

@@ -241,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    from dreamer.config import setting
+
     torch.set_num_threads(1)
     cfg, settings, state, path, env, layout, agent = loaded
     device = settings.topology.learner
-    envs = min(args.envs or int(cfg.run.get("eval_envs", 1)), args.episodes)
+    envs = min(args.envs or int(setting(cfg, "run.eval_envs")), args.episodes)
     collector = make_evaluator(cfg, env, envs, cfg.seed + EVAL_SEED, agent.policy, layout, settings.size, device)
     finished, frames, first = run_with_frames(collector, args.episodes)
     collector.close()

@@ -38,6 +38,7 @@ from tensordict import TensorDictBase
 
 from dreamer.agent import ActingPolicy, EnvLayout, ModelSize
 from dreamer.collect import CollectionError, Collector, Episode
+from dreamer.config import setting
 from dreamer.envs import make_env
 from dreamer.inference import WeightSync, request_spec
 
@@ -312,7 +313,7 @@ class WorkerSource(Source):
         began = time.monotonic()
         self.inference = Inference(self.policy, self.layout, self.size, self.envs, self.device, self.cudagraph,
                                    batch_wait=cfg.run.inference_wait_ms / 1000, process=own_process,
-                                   threads=int(cfg.run.get("inference_threads", 1)))
+                                   threads=int(setting(cfg, "run.inference_threads")))
         try:
             self.inference.start()
         except RuntimeError as error:
@@ -334,10 +335,10 @@ class WorkerSource(Source):
             # dead pump's slots need forgetting (RayPool).
             self.pool = RayPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,
                                 cfg.env.suite, on_restart=replay.end_stream, stall_seconds=cfg.run.worker_stall_s,
-                                start_method=cfg.run.worker_start, address=cfg.run.get("ray_address"),
-                                env_cpus=cfg.run.get("ray_env_cpus", 1),
-                                env_memory_gb=cfg.run.get("ray_env_memory_gb", 0),
-                                envs_per_pump=cfg.run.get("ray_envs_per_pump", 32),
+                                start_method=cfg.run.worker_start, address=setting(cfg, "run.ray_address"),
+                                env_cpus=setting(cfg, "run.ray_env_cpus"),
+                                env_memory_gb=setting(cfg, "run.ray_env_memory_gb"),
+                                envs_per_pump=setting(cfg, "run.ray_envs_per_pump"),
                                 forget_slot=inference.forget_slot, announce=self.announce).start()
         else:
             self.pool = WorkerPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,
