@@ -335,9 +335,12 @@ class _Pump:
             self.announced = True
         elif not self.announced and time.monotonic() - self.started > 60:
             resources = ray.available_resources()
-            self.writer.send(Note(f"{len(self.placing)} of {len(self.actors)} Ray env workers wait for a node with "
-                                  f"room ({self.options.get('num_cpus')} CPUs each; the cluster has "
-                                  f"{resources.get('CPU', 0):g} CPUs free)"))
+            # Placed actors hold their CPUs while their processes start (a node starts a few at a time), so
+            # no free CPU does not tell waiting from starting.
+            self.writer.send(Note(f"{len(self.placing)} of {len(self.actors)} Ray env workers not running yet "
+                                  f"{time.monotonic() - self.began:.0f} s after the pump's start: starting, or "
+                                  f"waiting for a node with room ({self.options.get('num_cpus')} CPUs each; the "
+                                  f"cluster has {resources.get('CPU', 0):g} CPUs free)"))
             self.started = time.monotonic()
 
     def run(self) -> None:
