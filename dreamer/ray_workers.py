@@ -337,7 +337,7 @@ class _Pump:
             resources = ray.available_resources()
             # Placed actors hold their CPUs while their processes start (a node starts a few at a time), so
             # no free CPU does not tell waiting from starting.
-            self.writer.send(Note(f"{len(self.placing)} of {len(self.actors)} Ray env workers not running yet "
+            self.writer.send(Note(f"{len(self.placing)} of a pump's {len(self.actors)} Ray env workers not running yet "
                                   f"{time.monotonic() - self.began:.0f} s after the pump's start: starting, or "
                                   f"waiting for a node with room ({self.options.get('num_cpus')} CPUs each; the "
                                   f"cluster has {resources.get('CPU', 0):g} CPUs free)"))
