@@ -335,8 +335,8 @@ class _Pump:
             self.announced = True
         elif not self.announced and time.monotonic() - self.started > 60:
             resources = ray.available_resources()
-            # Placed actors hold their CPUs while their processes start (a node starts a few at a time), so
-            # no free CPU does not tell waiting from starting.
+            # Placed actors hold their CPUs while their processes start (on a node, all at once: 128 took
+            # 124 s on 16 cores), so no free CPU does not tell waiting from starting.
             self.writer.send(Note(f"{len(self.placing)} of a pump's {len(self.actors)} Ray env workers not running yet "
                                   f"{time.monotonic() - self.began:.0f} s after the pump's start: starting, or "
                                   f"waiting for a node with room ({self.options.get('num_cpus')} CPUs each; the "
