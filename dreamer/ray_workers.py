@@ -12,11 +12,13 @@ Three parts:
 - The pumps (`_pump_main`), processes of the trainer's node, each a Ray driver for up to
   `run.ray_envs_per_pump` actors (the first starts a local cluster, the others join it): a pump keeps one
   `exchange` call in flight per actor; each reply's request goes into that env stream's slot of the
-  inference server (the slot a worker process would own: `RowClient.post`), the server is woken once for
-  the sweep and answers it in one pass, and each answer leaves with the stream's next call. A step
-  therefore costs one Ray call, whose reply carries the observation and whose argument carries the
-  action. Chunks go on to the trainer over a pipe, as their bytes (a worker process's go through shared
-  memory). A pump owns its actors: when it ends, Ray ends them.
+  inference server (the slot a worker process would own: `RowClient.post`) as soon as it comes (replies
+  that come together with one wake-up of the server, which answers them in one pass), and each answer
+  leaves with the stream's next call as soon as the server has given it. Replies that come while a pass
+  runs are posted for the next pass, not held until this pass's answers are all out (a pass of the
+  server beside a learner takes milliseconds). A step therefore costs one Ray call, whose reply carries
+  the observation and whose argument carries the action. Chunks go on to the trainer over a pipe, as
+  their bytes (a worker process's go through shared memory). A pump owns its actors: when it ends, Ray ends them.
   torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
   calls (requests and answers pass through queue actors) and its own server beside the run's.
 - `RayPool`, in the trainer: the pumps, behind the worker pool's interface (`dreamer.workers.WorkerPool`)
@@ -66,6 +68,10 @@ RAY_JOIN_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 # Bytes of Ray's object store on a local cluster, where the actors' chunks wait for the pump: room for a
 # few chunks per env, at least 512 MB.
 LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
+
+# Seconds a pump with requests at the server waits for the first answer due before it looks for actors'
+# replies again: a reply that comes meanwhile waits at most this long to be posted.
+IDLE_WAIT = 0.0005
 
 
 @dataclass
@@ -277,6 +283,7 @@ class _Pump:
         # Per env stream of this pump (`clients`: {stream: its inference client}; the run's stream numbers).
         self.actors: dict = dict.fromkeys(clients)
         self.calls: dict = {}  # the exchange call in flight -> its stream
+        self.posted: dict = {}  # streams whose request waits for the server's answer (as an ordered set)
         self.sent_at = dict.fromkeys(clients, 0.0)  # when each stream's call left
         self.served = dict.fromkeys(clients, 0.0)  # the server's part of each stream's last round trip
         self.deaths = dict.fromkeys(clients, 0)  # deaths in a row, per stream
@@ -345,13 +352,14 @@ class _Pump:
 
     def run(self) -> None:
         import ray
-        from ray.exceptions import RayError
 
         for stream in self.actors:
             self._start(stream)
-        checked = time.monotonic()
+        checked = placed = time.monotonic()
         while not self.stop.is_set():
-            if not self.announced or self.placing:
+            now = time.monotonic()
+            if (not self.announced or self.placing) and now - placed > 0.05:
+                placed = now
                 self._placement()
             if self.sent - self.taken.value >= len(self.clients):
                 self.paused = self.paused or time.monotonic()
@@ -360,45 +368,73 @@ class _Pump:
             if self.paused is not None:  # the actors waited for the trainer, not for their envs: no stall
                 held, self.paused = time.monotonic() - self.paused, None
                 self.sent_at = {stream: at + held for stream, at in self.sent_at.items()}
-            ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=0.1)
-            if ready:  # and every other call answered by now: one server pass for all of them
-                ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
-            posted = []
-            try:  # one call of Ray's for the sweep; one per reply where some actor failed
-                replies = ray.get(ready)
-            except RayError:
-                replies = None
-            for index, call in enumerate(ready):
-                stream = self.calls.pop(call)
-                try:
-                    reply: Reply = ray.get(call) if replies is None else replies[index]
-                except RayError as error:  # the actor died, its node is gone, or its reply was lost with it
-                    self._replace(stream, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-                    continue
-                if reply.error is not None:
-                    raise CollectionError(reply.error)
-                if reply.chunk is not None:
-                    self.writer.send(reply.chunk)
-                    self.sent += 1
-                    self.deaths[stream] = 0
-                self._count(stream, reply)
-                self.clients[stream].post(np.frombuffer(reply.request, np.uint8), ring=False)
-                posted.append(stream)
-            if posted:
-                self.clients[posted[0]].ring()  # once for the sweep: the server's pass finds every request
-            for stream in posted:
-                client = self.clients[stream]
-                before = client.served_seconds
-                answer = client.answer().numpy().tobytes()  # Ray packs bytes as they are, a tensor through pickle
-                self.served[stream] = client.served_seconds - before
-                self.calls[self.actors[stream].exchange.remote(answer)] = stream
-                self.sent_at[stream] = time.monotonic()
+            moved = self._post_replies()
+            moved = self._send_answers() or moved
+            if not moved:  # nothing came: wait for the first answer due, or for any actor's reply
+                if self.posted:
+                    self.clients[next(iter(self.posted))].doorbell.wait(IDLE_WAIT)
+                elif self.calls:
+                    ray.wait(list(self.calls), num_returns=1, timeout=0.1)
+                else:
+                    time.sleep(0.01)
             now = time.monotonic()
             if now - checked > 1.0:
                 checked = now
                 for call, stream in list(self.calls.items()):
                     if now - self.sent_at[stream] > self.stall_seconds:
                         self._replace(stream, f"no env step in {self.stall_seconds:g} s")
+
+    def _post_replies(self) -> bool:
+        """Posts the request of every reply that has come (one ring for them all); whether any came."""
+        import ray
+        from ray.exceptions import RayError
+
+        if not self.calls:
+            return False
+        ready, _ = ray.wait(list(self.calls), num_returns=len(self.calls), timeout=0)
+        if not ready:
+            return False
+        try:  # one call of Ray's for them all; one per reply where some actor failed
+            replies = ray.get(ready)
+        except RayError:
+            replies = None
+        first = None
+        for index, call in enumerate(ready):
+            stream = self.calls.pop(call)
+            try:
+                reply: Reply = ray.get(call) if replies is None else replies[index]
+            except RayError as error:  # the actor died, its node is gone, or its reply was lost with it
+                self._replace(stream, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            if reply.error is not None:
+                raise CollectionError(reply.error)
+            if reply.chunk is not None:
+                self.writer.send(reply.chunk)
+                self.sent += 1
+                self.deaths[stream] = 0
+            self._count(stream, reply)
+            self.clients[stream].post(np.frombuffer(reply.request, np.uint8), ring=False)
+            self.posted[stream] = None
+            first = stream if first is None else first
+        if first is not None:
+            self.clients[first].ring()  # once: the server's next pass finds them all
+        return True
+
+    def _send_answers(self) -> bool:
+        """Sends each answered request's answer with its stream's next `exchange` call; whether any was."""
+        moved = False
+        for stream in list(self.posted):
+            client = self.clients[stream]
+            if not client.doorbell.is_set():
+                continue
+            before = client.served_seconds
+            answer = client.answer().numpy().tobytes()  # Ray packs bytes as they are, a tensor through pickle
+            self.served[stream] = client.served_seconds - before
+            del self.posted[stream]
+            self.calls[self.actors[stream].exchange.remote(answer)] = stream
+            self.sent_at[stream] = time.monotonic()
+            moved = True
+        return moved
 
     def _count(self, stream: int, reply: Reply) -> None:
         """The actor's step times into the shared timing slots (`WorkerPool.timing`)."""
