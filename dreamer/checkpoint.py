@@ -438,8 +438,8 @@ RUN_SETTINGS = ("run.name", "run.dir", "run.steps", "run.resume", "run.accept_ch
                 "run.keep_checkpoints", "run.compile", "run.cudagraph", "run.fuse_kernels", "run.cudnn_benchmark",
                 "run.precision", "run.threads", "run.collect", "run.chunk", "run.sync_every", "run.inference_wait_ms",
                 "run.inference", "run.inference_threads", "run.worker_stall_s", "run.worker_start", "run.ray_address",
-                "run.ray_env_cpus", "run.ray_env_memory_gb", "run.ray_envs_per_pump", "replay.storage", "topology",
-                "logger")
+                "run.ray_env_cpus", "run.ray_env_memory_gb", "run.ray_envs_per_pump", "run.ray_pump", "replay.storage",
+                "topology", "logger")
 
 
 def _leaves(tree, prefix: str = "") -> dict:

@@ -338,7 +338,7 @@ class WorkerSource(Source):
                                 start_method=cfg.run.worker_start, address=setting(cfg, "run.ray_address"),
                                 env_cpus=setting(cfg, "run.ray_env_cpus"),
                                 env_memory_gb=setting(cfg, "run.ray_env_memory_gb"),
-                                envs_per_pump=setting(cfg, "run.ray_envs_per_pump"),
+                                envs_per_pump=setting(cfg, "run.ray_envs_per_pump"), pump=setting(cfg, "run.ray_pump"),
                                 forget_slot=inference.forget_slot, announce=self.announce).start()
         else:
             self.pool = WorkerPool(env_cfg, cfg.seed, self.layout, self.size, inference.clients, cfg.run.chunk,

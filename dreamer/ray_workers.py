@@ -12,13 +12,16 @@ Three parts:
 - The pumps (`_pump_main`), processes of the trainer's node, each a Ray driver for up to
   `run.ray_envs_per_pump` actors (the first starts a local cluster, the others join it): a pump keeps one
   `exchange` call in flight per actor; each reply's request goes into that env stream's slot of the
-  inference server (the slot a worker process would own: `RowClient.post`) as soon as it comes (replies
-  that come together with one wake-up of the server, which answers them in one pass), and each answer
-  leaves with the stream's next call as soon as the server has given it. Replies that come while a pass
-  runs are posted for the next pass, not held until this pass's answers are all out (a pass of the
-  server beside a learner takes milliseconds). A step therefore costs one Ray call, whose reply carries
-  the observation and whose argument carries the action. Chunks go on to the trainer over a pipe, as
-  their bytes (a worker process's go through shared memory). A pump owns its actors: when it ends, Ray ends them.
+  inference server (the slot a worker process would own: `RowClient.post`), and each answer leaves with
+  the stream's next call. How (`run.ray_pump`): `sweep` (the default) posts the requests of all replies
+  that have come with one wake-up of the server, waits for its answers to all of them and sends them, and
+  only then takes the replies that came meanwhile; `pipelined` posts replies as they come and sends each
+  answer as soon as it is given, so that replies coming during a pass go into the next one (as worker
+  processes' requests do), at the cost of a loop that polls Ray and the answers' doorbells and of
+  smaller passes; which of the two keeps more of the collecting rate beside a learner on the GPU is not
+  measured yet (BENCHMARKS.md). A step costs one Ray call, whose reply carries the observation and whose
+  argument carries the action. Chunks go on to the trainer over a pipe, as their bytes (a worker
+  process's go through shared memory). A pump owns its actors: when it ends, Ray ends them.
   torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
   calls (requests and answers pass through queue actors) and its own server beside the run's.
 - `RayPool`, in the trainer: the pumps, behind the worker pool's interface (`dreamer.workers.WorkerPool`)
@@ -72,6 +75,9 @@ LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 # Seconds a pump with requests at the server waits for the first answer due before it looks for actors'
 # replies again: a reply that comes meanwhile waits at most this long to be posted.
 IDLE_WAIT = 0.0005
+
+# How a pump relays steps (`run.ray_pump`; `_Pump`).
+PUMP_MODES = ("sweep", "pipelined")
 
 
 @dataclass
@@ -272,7 +278,9 @@ class _Pump:
     """The pump's loop (module docstring): one `exchange` in flight per actor."""
 
     def __init__(self, actor_class, args: tuple, clients: list, writer: Connection, stop, max_restarts: int,
-                 stall_seconds: float, stepped, times, taken, options: dict, suite: str, began: float | None = None):
+                 stall_seconds: float, stepped, times, taken, options: dict, suite: str, began: float | None = None,
+                 mode: str = "sweep"):
+        self.mode = mode  # `run.ray_pump`: sweep or pipelined (`_sweep_step`, `_pipelined_step`)
         self.actor_class, self.args, self.clients, self.writer, self.stop = actor_class, args, clients, writer, stop
         # Backpressure, as a worker process's full pipe gives it: at most one chunk per env stream sent and
         # not yet taken by the trainer (`taken`, shared); beyond that the pump stops answering and the
@@ -351,15 +359,14 @@ class _Pump:
             self.started = time.monotonic()
 
     def run(self) -> None:
-        import ray
-
         for stream in self.actors:
             self._start(stream)
-        checked = placed = time.monotonic()
+        self.checked = self.placed = time.monotonic()
+        step = self._pipelined_step if self.mode == "pipelined" else self._sweep_step
         while not self.stop.is_set():
             now = time.monotonic()
-            if (not self.announced or self.placing) and now - placed > 0.05:
-                placed = now
+            if (not self.announced or self.placing) and now - self.placed > 0.05:
+                self.placed = now
                 self._placement()
             if self.sent - self.taken.value >= len(self.clients):
                 self.paused = self.paused or time.monotonic()
@@ -368,21 +375,45 @@ class _Pump:
             if self.paused is not None:  # the actors waited for the trainer, not for their envs: no stall
                 held, self.paused = time.monotonic() - self.paused, None
                 self.sent_at = {stream: at + held for stream, at in self.sent_at.items()}
-            moved = self._post_replies()
-            moved = self._send_answers() or moved
-            if not moved:  # nothing came: wait for the first answer due, or for any actor's reply
-                if self.posted:
-                    self.clients[next(iter(self.posted))].doorbell.wait(IDLE_WAIT)
-                elif self.calls:
-                    ray.wait(list(self.calls), num_returns=1, timeout=0.1)
-                else:
-                    time.sleep(0.01)
+            step()
             now = time.monotonic()
-            if now - checked > 1.0:
-                checked = now
+            if now - self.checked > 1.0:
+                self.checked = now
                 for call, stream in list(self.calls.items()):
                     if now - self.sent_at[stream] > self.stall_seconds:
                         self._replace(stream, f"no env step in {self.stall_seconds:g} s")
+
+    def _sweep_step(self) -> None:
+        """`run.ray_pump=sweep`: waits for a reply (0.1 s at most), posts the requests of every reply that has
+        come, waits for the server's answers to all of them and sends them."""
+        import ray
+
+        if not self.calls:  # every actor being replaced
+            time.sleep(0.01)
+            return
+        ready, _ = ray.wait(list(self.calls), num_returns=1, timeout=0.1)
+        if ready:
+            self._post_replies()
+        for stream in list(self.posted):
+            self._send_answer(stream)
+
+    def _pipelined_step(self) -> None:
+        """`run.ray_pump=pipelined`: posts the requests of the replies that have come and sends the answers
+        the server has given; with neither, waits for the first answer due (IDLE_WAIT) or for a reply."""
+        import ray
+
+        moved = self._post_replies()
+        for stream in list(self.posted):
+            if self.clients[stream].doorbell.is_set():
+                self._send_answer(stream)
+                moved = True
+        if not moved:
+            if self.posted:
+                self.clients[next(iter(self.posted))].doorbell.wait(IDLE_WAIT)
+            elif self.calls:
+                ray.wait(list(self.calls), num_returns=1, timeout=0.1)
+            else:  # every actor being replaced
+                time.sleep(0.01)
 
     def _post_replies(self) -> bool:
         """Posts the request of every reply that has come (one ring for them all); whether any came."""
@@ -420,21 +451,15 @@ class _Pump:
             self.clients[first].ring()  # once: the server's next pass finds them all
         return True
 
-    def _send_answers(self) -> bool:
-        """Sends each answered request's answer with its stream's next `exchange` call; whether any was."""
-        moved = False
-        for stream in list(self.posted):
-            client = self.clients[stream]
-            if not client.doorbell.is_set():
-                continue
-            before = client.served_seconds
-            answer = client.answer().numpy().tobytes()  # Ray packs bytes as they are, a tensor through pickle
-            self.served[stream] = client.served_seconds - before
-            del self.posted[stream]
-            self.calls[self.actors[stream].exchange.remote(answer)] = stream
-            self.sent_at[stream] = time.monotonic()
-            moved = True
-        return moved
+    def _send_answer(self, stream: int) -> None:
+        """Waits for the answer to `stream`'s posted request and sends it with the stream's next `exchange`."""
+        client = self.clients[stream]
+        before = client.served_seconds
+        answer = client.answer().numpy().tobytes()  # Ray packs bytes as they are, a tensor through pickle
+        self.served[stream] = client.served_seconds - before
+        del self.posted[stream]
+        self.calls[self.actors[stream].exchange.remote(answer)] = stream
+        self.sent_at[stream] = time.monotonic()
 
     def _count(self, stream: int, reply: Reply) -> None:
         """The actor's step times into the shared timing slots (`WorkerPool.timing`)."""
@@ -462,7 +487,7 @@ class _Pump:
 
 def _pump_main(address: str | None, options: dict, args: tuple, clients: dict, envs: int, writer: Connection,
                stop, max_restarts: int, stall_seconds: float, stepped, times, taken, suite: str, trainer: int,
-               environment: dict | None = None) -> None:
+               environment: dict | None = None, mode: str = "sweep") -> None:
     """A pump process: joins (or starts, for a run of `envs` env actors) the cluster, runs the pump of its
     streams (`clients`) until `stop` is set, then ends their actors and leaves the cluster. `environment`:
     settings to join with (`Cluster`)."""
@@ -490,7 +515,7 @@ def _pump_main(address: str | None, options: dict, args: tuple, clients: dict, e
                                 ray.get_runtime_context().gcs_address,
                                 {key: value for key, value in os.environ.items() if key in RAY_JOIN_SETTINGS}))
         pump = _Pump(ray.remote(EnvWorker), args, clients, writer, stop, max_restarts, stall_seconds, stepped,
-                     times, taken, options, suite, began)
+                     times, taken, options, suite, began, mode)
         pump.run()
     except CollectionError as error:
         _send(writer, str(error))
@@ -545,10 +570,13 @@ class RayPool:
                  on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0,
                  start_method: str = "forkserver", address: str | None = None, env_cpus: float = 1.0,
                  env_memory_gb: float = 0.0, forget_slot: Callable[[int], None] | None = None,
-                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32):
+                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32, pump: str = "sweep"):
         reaper.guard()
         if envs_per_pump < 1:
             raise ValueError(f"envs_per_pump must be at least 1, got {envs_per_pump}")
+        if pump not in PUMP_MODES:
+            raise ValueError(f"pump must be one of {', '.join(PUMP_MODES)}, got {pump!r}")
+        self.pump = pump
         # Without their error queues: a pump's start passes every descriptor of its arguments at once.
         self.clients = [client.without_errors() if isinstance(client, RowClient) else client for client in clients]
         self.suite, self.max_restarts = suite, max_restarts
@@ -603,7 +631,7 @@ class RayPool:
             target=_pump_main, name="dreamer-ray-pump", daemon=True,
             args=(address, self.options, self.args, {s: self.clients[s] for s in shard.streams}, len(self.clients),
                   writer, self.stop, self.max_restarts, self.stall_seconds, self.stepped, self.times, shard.taken,
-                  self.suite, os.getpid(), environment))
+                  self.suite, os.getpid(), environment, self.pump))
         shard.spawned = time.monotonic()
         shard.process.start()
         reaper.register(shard.process.pid)
