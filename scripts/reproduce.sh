@@ -38,7 +38,8 @@
 #   bash scripts/reproduce.sh ray             # emulated Minecraft collecting only at 50 ms per step: 64 worker
 #                                             # processes, then 64, 128 and 256 Ray actors (a local cluster;
 #                                             # RAY_RUNS), RAY_SECONDS each; RAY_TRAIN=1 then the Minecraft
-#                                             # preset with Ray workers (training / collecting)
+#                                             # preset with Ray workers (training / collecting);
+#                                             # RAY_PUMP=pipelined: the pumps' other mode (run.ray_pump)
 #   bash scripts/reproduce.sh learn-dmc       # the learning set: dmc_proprio_paper, 6 tasks x 3 seeds to 100K frames,
 #                                             # six runs at once under CUDA's MPS, 9 minutes per command:
 #                                             # rerun until it says all runs finished, then LEARNING.md
@@ -217,7 +218,8 @@ case "${1:-}" in
       local name="$1-$2${3:+-$3}"
       timeout --foreground --signal=INT -k 60 "${RAY_SECONDS:-200}" $PY -m dreamer.train +exp=minecraft env=emulated \
         run.compile=false run.train_start=100000000 replay.size=200000 run.log_every=8192 run.inference_threads=1 \
-        run.collect="$1" run.envs="$2" ${3:+run.ray_envs_per_pump=$3} hydra.run.dir="$OUT/ray-$name-run" \
+        run.collect="$1" run.envs="$2" ${3:+run.ray_envs_per_pump=$3} ${RAY_PUMP:+run.ray_pump=$RAY_PUMP} \
+        hydra.run.dir="$OUT/ray-$name-run" \
         > "$OUT/ray-$name.log" 2>&1 || true
       rm -rf "$OUT/ray-$name-run/checkpoints"
       grep -h "Ray env workers on\|stepping" "$OUT/ray-$name.log" || true
@@ -225,14 +227,16 @@ case "${1:-}" in
         echo "$name: no figures (its log: $OUT/ray-$name.log)"
     }
     # RAY_RUNS: SOURCE:ENVS or ray:ENVS:ENVS_PER_PUMP (run.ray_envs_per_pump; the config's 32 without it), run in
-    # turn (a long list may need two commands of 10 minutes).
+    # turn (a long list may need two commands of 10 minutes). RAY_PUMP: run.ray_pump of every Ray run (sweep,
+    # pipelined; the config's without it).
     for run in ${RAY_RUNS:-workers:64 ray:64 ray:128 ray:256}; do
       IFS=: read -r source envs per_pump <<< "$run"
       collect_run "$source" "$envs" "$per_pump"
     done
     if [ "${RAY_TRAIN:-0}" = 1 ]; then
       timeout --foreground --signal=INT -k 60 "${MINECRAFT_SECONDS:-360}" $PY -m dreamer.train +exp=minecraft \
-        env=emulated run.collect=ray run.log_every=8192 hydra.run.dir="$OUT/ray-train-run" > "$OUT/ray-train.log" 2>&1 || true
+        env=emulated run.collect=ray ${RAY_PUMP:+run.ray_pump=$RAY_PUMP} run.log_every=8192 hydra.run.dir="$OUT/ray-train-run" \
+        > "$OUT/ray-train.log" 2>&1 || true
       $PY scripts/run_figures.py "$OUT/ray-train-run" --out "$OUT/ray-train.jsonl"
     fi
     ;;
