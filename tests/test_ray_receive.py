@@ -211,3 +211,12 @@ def test_a_pumps_death_stops_the_other_pumps_ends_every_stream_and_starts_them_a
     assert stop.is_set() and [shard.pipe for shard in pool.shards] == [None, None]
     assert events == [("restart", 0), ("restart", 1)] and forgotten == [0, 1] and pool.restarts == 2
     assert started and started[0] is not stop and not started[0].is_set()  # the new pumps' own stop
+
+
+def test_a_pool_names_the_pump_modes_when_given_another():
+    try:
+        RayPool({}, 0, None, None, [None], announce=None, pump="pipeline")
+    except ValueError as error:
+        assert str(error) == "pump must be one of sweep, pipelined, got 'pipeline'"
+    else:
+        raise AssertionError("a pool took an unknown pump mode")
