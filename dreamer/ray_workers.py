@@ -76,7 +76,7 @@ LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 # replies again: a reply that comes meanwhile waits at most this long to be posted.
 IDLE_WAIT = 0.0005
 
-# How a pump relays steps (`run.ray_pump`; `_Pump`).
+# How a pump relays steps (`run.ray_pump`; `_Pump`), the default first.
 PUMP_MODES = ("sweep", "pipelined")
 
 
@@ -278,8 +278,8 @@ class _Pump:
     """The pump's loop (module docstring): one `exchange` in flight per actor."""
 
     def __init__(self, actor_class, args: tuple, clients: list, writer: Connection, stop, max_restarts: int,
-                 stall_seconds: float, stepped, times, taken, options: dict, suite: str, began: float | None = None,
-                 mode: str = "sweep"):
+                 stall_seconds: float, stepped, times, taken, options: dict, suite: str, began: float | None,
+                 mode: str):
         self.mode = mode  # `run.ray_pump`: sweep or pipelined (`_sweep_step`, `_pipelined_step`)
         self.actor_class, self.args, self.clients, self.writer, self.stop = actor_class, args, clients, writer, stop
         # Backpressure, as a worker process's full pipe gives it: at most one chunk per env stream sent and
@@ -487,7 +487,7 @@ class _Pump:
 
 def _pump_main(address: str | None, options: dict, args: tuple, clients: dict, envs: int, writer: Connection,
                stop, max_restarts: int, stall_seconds: float, stepped, times, taken, suite: str, trainer: int,
-               environment: dict | None = None, mode: str = "sweep") -> None:
+               environment: dict | None, mode: str) -> None:
     """A pump process: joins (or starts, for a run of `envs` env actors) the cluster, runs the pump of its
     streams (`clients`) until `stop` is set, then ends their actors and leaves the cluster. `environment`:
     settings to join with (`Cluster`)."""
@@ -570,7 +570,7 @@ class RayPool:
                  on_restart: Callable[[int], None] | None = None, stall_seconds: float = 600.0,
                  start_method: str = "forkserver", address: str | None = None, env_cpus: float = 1.0,
                  env_memory_gb: float = 0.0, forget_slot: Callable[[int], None] | None = None,
-                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32, pump: str = "sweep"):
+                 announce: Callable[[str], None] | None = print, envs_per_pump: int = 32, pump: str = PUMP_MODES[0]):
         reaper.guard()
         if envs_per_pump < 1:
             raise ValueError(f"envs_per_pump must be at least 1, got {envs_per_pump}")

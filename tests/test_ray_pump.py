@@ -80,7 +80,7 @@ def test_a_reply_that_comes_while_the_server_holds_a_pass_waits_for_that_pass_in
     args = ({"delays": [0.0, 0.3], "width": transport.requests.shape[1]}, 0, None, None, 8, 3)
     pump = _Pump(ray.remote(_Stepper), args, clients, writer, stop, 3, 60.0, stepped,
                  multiprocessing.RawArray("d", 2 * TIMES), multiprocessing.RawValue("q", 0), {"num_cpus": 0.5},
-                 "test", mode=mode)
+                 "test", None, mode)
     server = threading.Thread(target=serve, daemon=True)
     looping = threading.Thread(target=pump.run, daemon=True)
     try:
