@@ -287,6 +287,12 @@ def model_size(cfg: DictConfig) -> ModelSize:
     return replace(size, mults=tuple(size.mults))
 
 
+def updates_per_step(cfg: DictConfig) -> float:
+    """Learner updates per env step (agent steps summed over envs): train_ratio replayed steps per env step,
+    batch_size x batch_length of them per update."""
+    return cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length)
+
+
 def loss_settings(cfg: DictConfig) -> LossSettings:
     return _settings(LossSettings, "loss", cfg)
 
@@ -350,7 +356,7 @@ def validate(cfg: DictConfig) -> Settings:
         size=model_size(cfg),
         loss=loss_settings(cfg),
         optimizer=optimizer_settings(cfg),
-        updates_per_step=cfg.run.train_ratio / (cfg.batch_size * cfg.batch_length),
+        updates_per_step=updates_per_step(cfg),
         # auto: workers on a CUDA learner, where the envs' Python in processes of their own kept the learner
         # busier than the inline source's step thread sharing the trainer's interpreter lock (dmc_proprio:
         # 0.99 against 0.92, BENCHMARKS.md); inline on CPU, where there is no device work to overlap.

@@ -48,9 +48,9 @@ from dreamer.learner import Learner  # noqa: E402
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0}  # dense bf16 tensor-core peak (SXM)
 
 
-def _layout(obs: str, obs_dim: int, actions: int) -> EnvLayout:
+def _layout(obs: str, obs_dim: int, actions: int, image: tuple[int, int, int] = (3, 64, 64)) -> EnvLayout:
     if obs == "image":
-        spec = Composite(pixels=Bounded(0, 255, (3, 64, 64), dtype=torch.uint8))
+        spec = Composite(pixels=Bounded(0, 255, image, dtype=torch.uint8))
     else:
         spec = Composite(observation=Unbounded(obs_dim))
     return EnvLayout.from_specs(spec, OneHot(actions))
@@ -141,13 +141,14 @@ def run_single(args) -> dict:
     cuda = device.type == "cuda"
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.manual_seed(0)
-    layout = _layout(args.obs, args.obs_dim, args.actions)
+    layout = _layout(args.obs, args.obs_dim, args.actions, args.image)
     size = _size(args.model)
     _, loss_settings, optimizer_settings = reference_settings(args.model)
     with torch.device(device):
         agent = build_agent(layout, size)
     batch = _batch(layout, size, args.batch, args.length, device)
-    result = {"variant": args.single, "model": args.model, "obs": args.obs, "batch": args.batch,
+    result = {"variant": args.single, "model": args.model, "obs": args.obs,
+              **({"image": list(args.image)} if args.obs == "image" else {}), "batch": args.batch,
               "length": args.length, "cudnn_benchmark": args.cudnn_benchmark,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
@@ -231,6 +232,16 @@ def run_single(args) -> dict:
     return result
 
 
+def _image_shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected C,H,W (three positive integers, e.g. 1,96,96), got {text!r}")
+    return shape
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -240,6 +251,8 @@ def main() -> None:
     parser.add_argument("--obs", choices=["vector", "image"], default="vector")
     parser.add_argument("--obs-dim", type=int, default=24)
     parser.add_argument("--actions", type=int, default=6)
+    parser.add_argument("--image", type=_image_shape, default=(3, 64, 64), metavar="C,H,W",
+                        help="the image observation's shape with --obs image (default 3,64,64; Atari: 1,96,96)")
     parser.add_argument("--variant", default="both",
                         help="ours | ours_cl | ours_autotune | ours_fuse | ours_graph | torchrl | torchrl_step | "
                              "torchrl_scan | both (default) | all, or a comma-separated list of variants")

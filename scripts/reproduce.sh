@@ -10,6 +10,8 @@
 #                                             # cuDNN's algorithm search
 #   bash scripts/reproduce.sh learner-autotune  # size1m vector, 16 x 64: ours, ours with inductor's combo kernels,
 #                                             # ours with its Triton matmul templates (fewer launches?)
+#   bash scripts/reproduce.sh preset-costs    # the learner step at the DMC, Crafter and Atari presets' shapes,
+#                                             # then what each preset's learner costs per 100K frames
 #   bash scripts/reproduce.sh learner-fuse    # size12m and size50m images (FUSE_MODELS): ours, then ours with
 #                                             # run.fuse_kernels (inductor's combo kernels)
 #   bash scripts/reproduce.sh pipeline        # 64 emulated MineRL workers, size50m, one GPU, 50 ms per step:
@@ -97,6 +99,21 @@ case "${1:-}" in
       --variant ours --limit 190 --out "$OUT/learner-cl-size200m.jsonl"
     $PY scripts/bench_learner.py --device cuda --model size200m --batch 32 --length 256 --obs image \
       --variant ours,ours_cl --cudnn-benchmark --limit 190 --out "$OUT/learner-cl-size200m.jsonl"
+    ;;
+  preset-costs)
+    # The learner step at each preset's shapes (cuDNN's search on, as in training runs), then the table of
+    # what each preset's learner costs per 100K frames (scripts/preset_costs.py). PRESET_SHAPES: the shapes,
+    # MODEL:vector or MODEL:C,H,W (an image), at 16 x 64 (the default: the five that the DMC, Crafter and
+    # Atari presets use; each about 100 s, warm-up included; minecraft's size200m at 32 x 256 is learner-200m).
+    for shape in ${PRESET_SHAPES:-size1m:vector size12m:vector size12m:3,64,64 size200m:3,64,64 size200m:1,96,96}; do
+      IFS=: read -r model obs <<< "$shape"
+      input=(--obs vector)
+      [ "$obs" != vector ] && input=(--obs image --image "$obs")
+      $PY scripts/bench_learner.py --device cuda --model "$model" --batch 16 --length 64 "${input[@]}" \
+        --variant ours --cudnn-benchmark --no-flops --profile 2 --limit "${PRESET_LIMIT:-110}" \
+        --out "$OUT/preset-costs.jsonl" || true
+    done
+    $PY scripts/preset_costs.py --measured "$OUT/preset-costs.jsonl" | tee "$OUT/preset-costs.md"
     ;;
   learner-fuse)
     # run.fuse_kernels (inductor's combo kernels and aggressive fusion; size1m: 1.14 x) at the image sizes,

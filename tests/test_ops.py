@@ -177,6 +177,35 @@ def test_learner_benchmark_runs_on_cpu(workdir):
     assert len((workdir / "bench.jsonl").read_text().splitlines()) == 3
 
 
+def test_preset_costs_counts_each_presets_updates_and_prices_them_with_bench_lines(workdir):
+    """Updates per 100K frames follow each preset's train_ratio, batch and action repeat; a learner step
+    measured at a preset's shapes prices it. The reader keys on what bench_learner.py writes: a real CPU
+    line with --image carries its shape; the priced lines are in that format, with chosen ms values."""
+    bench = _python([str(ROOT / "scripts" / "bench_learner.py"), "--device", "cpu", "--model", "tiny", "--batch", "2",
+                     "--length", "4", "--obs", "image", "--image", "1,16,16", "--variant", "ours", "--updates", "1",
+                     "--no-flops", "--out", "bench.jsonl"], workdir)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    written = json.loads((workdir / "bench.jsonl").read_text().splitlines()[0])
+    assert written["image"] == [1, 16, 16] and written["obs"] == "image" and written["variant"] == "ours"
+    lines = [{**written, "model": "size200m", "batch": 16, "length": 64, "image": [1, 96, 96], "ms_per_update": 96.0},
+             {**written, "model": "size200m", "batch": 16, "length": 64, "image": [3, 64, 64], "ms_per_update": 48.0},
+             {**written, "variant": "torchrl_eager", "model": "size1m", "obs": "vector", "batch": 16, "length": 64}]
+    (workdir / "priced.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = _python([str(ROOT / "scripts" / "preset_costs.py"), "--measured", "priced.jsonl"], workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in result.stdout.splitlines()[2:]}
+    updates = {name: row[6] for name, row in rows.items()}
+    assert updates == {"dmc_proprio": "100,000", "dmc_proprio_paper": "25,000", "dmc_vision": "25,000",
+                       "dmc_vision_paper": "25,000", "crafter": "50,000", "atari100k": "6,250", "atari": "781",
+                       "minecraft": "195"}
+    assert rows["atari"][2] == "image 1 x 96 x 96" and rows["dmc_proprio"][2] == "vector"
+    # 781.25 updates x 96 ms; 25,000 and 50,000 x 48 ms; another variant's line prices nothing.
+    assert rows["atari"][7:9] == ["96.00", "1.2"] and rows["dmc_vision"][7:9] == ["48.00", "20.0"]
+    assert rows["crafter"][8] == "40.0" and rows["atari100k"][8] == "5.0" and rows["dmc_proprio"][7] == "-"
+    refused = _python([str(ROOT / "scripts" / "preset_costs.py"), "--presets", "dmc_proprio,nope"], workdir)
+    assert refused.returncode == 1 and refused.stderr.strip().startswith("error: unknown preset(s) nope")
+
+
 def test_pipeline_benchmark_runs_on_cpu(workdir):
     """Every phase reports, with 4 emulated-env workers and the CPU inference server (timings not checked)."""
     bench = _python([str(ROOT / "scripts" / "bench_pipeline.py"), "--device", "cpu", "--model", "smoke", "--batch", "4",
