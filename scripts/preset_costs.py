@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dreamer.config import compose_config, updates_per_step  # noqa: E402
+from dreamer.config import compose_config, group_options, updates_per_step  # noqa: E402
 from dreamer.envs import frames_per_step  # noqa: E402
 
 PRESETS = ("dmc_proprio", "dmc_proprio_paper", "dmc_vision", "dmc_vision_paper", "crafter", "atari100k", "atari",
@@ -30,7 +30,9 @@ PRESETS = ("dmc_proprio", "dmc_proprio_paper", "dmc_vision", "dmc_vision_paper",
 
 
 def learner_input(env) -> tuple[str, tuple[int, int, int] | None]:
-    """("vector", None) or ("image", (C, H, W)): what the preset's learner reads (images where there are any)."""
+    """("vector", None) or ("image", (C, H, W)): what the preset's learner reads (images where there are any),
+    read from the env settings as each suite's adapter in dreamer/envs shapes its `pixels` (no env is built:
+    ALE, Crafter or MineRL need not be installed)."""
     suite = env.suite
     if suite == "dmc":
         if env.obs == "proprio":
@@ -55,8 +57,8 @@ def preset_row(preset: str, frames: int) -> dict:
 
 
 def measured_steps(paths: list[Path]) -> dict:
-    """{(model, obs, image, batch, length): ms per update} from bench_learner.py's lines (variant ours; the
-    last line of a shape wins). Lines written before --image existed are 3 x 64 x 64 images."""
+    """{(model, obs, image, batch, length): (ms per update, device)} from bench_learner.py's lines (variant
+    ours; the last line of a shape wins). Lines written before --image existed are 3 x 64 x 64 images."""
     steps = {}
     for path in paths:
         if not path.is_file():
@@ -98,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.frames < 1:
         sys.exit(f"error: --frames must be at least 1, got {args.frames}")
-    known = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "exp").glob("*.yaml"))
+    known = group_options("exp")
     presets = [p for p in args.presets.split(",") if p]
     unknown = [p for p in presets if p not in known]
     if unknown:
