@@ -198,7 +198,7 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
            "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
-           "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("sweep", "pipelined"),
+           "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("pipelined", "sweep"),
            "loss.actor_grad": ("reinforce", "backprop")}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -207,7 +207,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # use the same), so that evaluating or continuing such a run still validates.
 ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
                "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto",
-               "run.ray_pump": "sweep"}
+               "run.ray_pump": "pipelined"}
 
 
 def setting(cfg: DictConfig, key: str):

@@ -215,7 +215,8 @@ FUSED_KERNELS = {"combo_kernels": True, "aggressive_fusion": True}
 def _to_channels_last(nets) -> None:
     """The image CNNs' weights in NHWC: convolutions then take and give channels-last maps (no NCHW-NHWC
     transposes around cuDNN's kernels), and the channel RMS norm, which normalizes over C of a channels-moved
-    view, reads contiguous rows. Same values, other strides."""
+    view, reads contiguous rows. Same values, other strides. At size200m it made no difference (280.3 against
+    279.9 ms on an H100, BENCHMARKS.md): inductor already lays the compiled pieces' convolutions out NHWC."""
     for cnn in (getattr(nets.encoder, "cnn", None), getattr(nets.image_decoder, "net", None)):
         if cnn is not None:
             cnn.to(memory_format=torch.channels_last)

@@ -363,8 +363,10 @@ def _finish(variant: str, launched: tuple, args) -> dict:
         if reached:  # where the time went: the compiled pieces and the capture that finished
             result["warmup_progress"] = [line[len("warm-up: "):] for line in reached]
     elif process.returncode or not lines:
-        tail = (stderr or stdout).strip().splitlines()[-3:]
-        result = {"variant": variant, "error": f"exit {process.returncode}: {' | '.join(tail)}"}
+        output = (stderr or stdout).strip().splitlines()
+        result = {"variant": variant, "error": f"exit {process.returncode}: {' | '.join(output[-3:])}"}
+        # the failure's traceback, which the JSON line's last lines seldom hold (inductor's errors end in hints)
+        print(f"{variant} failed; the last 60 lines of its output:", *output[-60:], sep="\n", file=sys.stderr)
     else:
         result = json.loads(lines[-1])
     result["seconds"] = round(time.perf_counter() - start, 1)

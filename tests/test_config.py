@@ -267,3 +267,16 @@ def test_ray_collection_checks_its_address_and_that_ray_is_installed(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match=re.escape("run.collect=ray needs Ray, which is not installed here")):
         validate(cfg)
+
+
+def test_an_older_run_folder_reads_each_later_setting_as_the_configs_default():
+    """ADDED_LATER stands in for settings an older config.yaml lacks: each must be the default config's value,
+    or an older run resumed would quietly run differently from a new one."""
+    from dreamer.config import ADDED_LATER, setting
+
+    cfg = _compose([])
+    for key, value in ADDED_LATER.items():
+        assert OmegaConf.select(cfg, key) == value, key
+    with open_dict(cfg):
+        cfg.run.pop("ray_pump")
+    assert setting(cfg, "run.ray_pump") == ADDED_LATER["run.ray_pump"]

@@ -217,6 +217,6 @@ def test_a_pool_names_the_pump_modes_when_given_another():
     try:
         RayPool({}, 0, None, None, [None], announce=None, pump="pipeline")
     except ValueError as error:
-        assert str(error) == "pump must be one of sweep, pipelined, got 'pipeline'"
+        assert str(error) == "pump must be one of pipelined, sweep, got 'pipeline'"
     else:
         raise AssertionError("a pool took an unknown pump mode")
