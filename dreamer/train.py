@@ -7,6 +7,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import hydra
@@ -61,6 +62,21 @@ def main(cfg: DictConfig) -> None:
 
 class RunError(RuntimeError):
     """The run cannot go on after it started (a checkpoint has been saved); one line for the user."""
+
+
+def warm_up(learner: Learner, batch) -> float:
+    """`learner.warmup(batch)`; a compiled step that fails there (a compiler error, such as inductor's stride
+    check) ends the run with its traceback and one line saying how to train without compiling."""
+    try:
+        return learner.warmup(batch)
+    except Exception as error:
+        if not learner.compile:
+            raise
+        traceback.print_exc()
+        lines = str(error).strip().splitlines()
+        raise RunError(f"the compiled learner step failed in its warm-up ({type(error).__name__}: "
+                       f"{lines[0] if lines else 'no message'}); run.compile=false trains without compiling "
+                       f"(slower steps); the traceback above says where it failed") from None
 
 
 def train(cfg: DictConfig) -> None:
@@ -264,7 +280,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     checkpointer.reserve(learner.state_dict())
     if learner.needs_warmup:  # compile and capture before collecting, on a batch of the replay's shapes
         print("dreamer: warming up the learner step (compile / CUDA graph capture)...", flush=True)
-        seconds = learner.warmup(learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
+        seconds = warm_up(learner, learner.synthetic_batch(cfg.batch_size, cfg.batch_length))
         print(f"dreamer: learner warm-up took {seconds:.1f} s", flush=True)
         metrics.write({"warmup_seconds": seconds}, counters["env_steps"], learner.updates, kind="warmup")
     try:

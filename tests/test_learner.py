@@ -495,3 +495,39 @@ def test_the_compiled_backprop_step_follows_the_eager_updates_on_cpu():
     compiled = Learner(compiled_agent, settings, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True)
     assert compiled.warmup(batch) > 0 and all(piece.compiled for piece in (compiled._imagine, compiled._tail))
     _same_two_updates(compiled, eager, batch, seed=40)
+
+
+def test_a_compiled_step_that_fails_in_warm_up_ends_the_run_in_one_line(monkeypatch, capsys):
+    """What is faked: the compiler's failure. On the GPU, inductor's stride check failed in the warm-up of
+    1 x 96 x 96 images (BENCHMARKS.md), which cannot happen on the CPU; here the loss tail's compiled
+    function raises the same kind of AssertionError when first called."""
+    from dreamer.learner import _Compiled
+    from dreamer.train import RunError, warm_up
+
+    agent, batch = _setup(VECTOR)
+    learner = Learner(agent, SETTINGS, _optimizer(), "cpu", compile=True, cudagraph=False)
+    enable = _Compiled.enable
+
+    def failing_enable(piece):
+        enable(piece)
+        if piece.name == "losses":
+            def fail(*args):
+                raise AssertionError("expected size 128==128, stride 25==1 at dim=1\nThis error most often ...")
+            piece.compiled = fail
+
+    monkeypatch.setattr(_Compiled, "enable", failing_enable)
+    before = [p.detach().clone() for p in learner.params]
+    with pytest.raises(RunError) as error:
+        warm_up(learner, batch)
+    assert str(error.value).startswith("the compiled learner step failed in its warm-up (AssertionError: "
+                                       "expected size 128==128, stride 25==1 at dim=1); run.compile=false")
+    assert "\n" not in str(error.value)
+    assert "Traceback" in capsys.readouterr().err  # where it failed, for a report
+    assert all(torch.equal(a, b) for a, b in zip(before, learner.params))  # the warm-up's updates undone
+
+    monkeypatch.setattr(_Compiled, "enable", enable)
+    eager = Learner(agent, SETTINGS, _optimizer(), "cpu", compile=False, cudagraph=False)
+    eager._step = lambda inputs: (_ for _ in ()).throw(ValueError("not a compiler error"))
+    eager.needs_warmup = True
+    with pytest.raises(ValueError, match="not a compiler error"):  # without compiling, errors pass as they are
+        warm_up(eager, batch)
