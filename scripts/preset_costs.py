@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dreamer.config import compose_config, group_options, updates_per_step  # noqa: E402
-from dreamer.envs import frames_per_step  # noqa: E402
+from dreamer.envs import frames_per_step, pixel_shape  # noqa: E402
 
 PRESETS = ("dmc_proprio", "dmc_proprio_paper", "dmc_vision", "dmc_vision_paper", "crafter", "atari100k", "atari",
            "minecraft")
@@ -31,20 +31,10 @@ PRESETS = ("dmc_proprio", "dmc_proprio_paper", "dmc_vision", "dmc_vision_paper",
 
 def learner_input(env) -> tuple[str, tuple[int, int, int] | None]:
     """("vector", None) or ("image", (C, H, W)): what the preset's learner reads (images where there are any),
-    read from the env settings as each suite's adapter in dreamer/envs shapes its `pixels` (no env is built:
-    ALE, Crafter or MineRL need not be installed)."""
-    suite = env.suite
-    if suite == "dmc":
-        if env.obs == "proprio":
-            return "vector", None
-        return "image", (3, *env.size)
-    if suite == "atari":
-        return "image", (1 if env.gray else 3, *env.size)
-    if suite == "crafter":  # size is [width, height] in crafter's order
-        return "image", (3, env.size[1], env.size[0])
-    if suite in ("minecraft", "emulated"):
-        return "image", (3, *env.size)
-    return "vector", None
+    from the env settings (`dreamer.envs.pixel_shape`, which builds no env: ALE, Crafter or MineRL need not be
+    installed)."""
+    shape = pixel_shape(env)
+    return ("vector", None) if shape is None else ("image", shape)
 
 
 def preset_row(preset: str, frames: int) -> dict:

@@ -13,7 +13,7 @@ from torchrl.envs.utils import check_env_specs
 import ale_py  # noqa: F401  (registers the ALE/* ids; CI installs the atari extra)
 import gymnasium
 
-from dreamer.envs import EnvConfigError, check_task, make_env
+from dreamer.envs import EnvConfigError, check_task, make_env, pixel_shape
 from dreamer.envs.atari import available_tasks, pool_frames
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "env"
@@ -53,7 +53,7 @@ def rollout(env, actions: list[int]) -> tuple[list[torch.Tensor], list[float]]:
 def test_flavours_specs_and_shapes(flavour, shape, actions):
     env = make_env(config(flavour), seed=0)
     check_env_specs(env)
-    assert env.observation_spec["pixels"].shape == shape
+    assert env.observation_spec["pixels"].shape == shape == pixel_shape(config(flavour))
     assert env.observation_spec["pixels"].dtype == torch.uint8
     assert "OneHot" in type(env.action_spec).__name__
     assert env.action_spec.shape[-1] == actions

@@ -9,7 +9,7 @@ from torchrl.envs.utils import check_env_specs
 
 import crafter  # noqa: F401  (the crafter extra is installed in CI: fail loudly without it)
 from dreamer.agent import EnvLayout
-from dreamer.envs import EnvConfigError, check_task, make_env
+from dreamer.envs import EnvConfigError, check_task, make_env, pixel_shape
 from dreamer.envs.crafter import ACHIEVEMENTS, LOG_KEYS, CrafterEnv, achievement_flags
 
 STEP_KEYS = {"pixels", "reward", "done", "terminated", "truncated", *LOG_KEYS}
@@ -43,7 +43,7 @@ def test_pixels_and_actions(env):
 
 def test_size_setting_is_honoured():
     env = make_env(config(size=[96, 64]), seed=0)  # crafter's order: width, height
-    assert env.observation_spec["pixels"].shape == (3, 64, 96)
+    assert env.observation_spec["pixels"].shape == (3, 64, 96) == pixel_shape(config(size=[96, 64]))
     assert env.reset()["pixels"].shape == (3, 64, 96)
 
 

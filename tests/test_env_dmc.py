@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from torchrl.envs.utils import check_env_specs
 
 from dreamer.agent import EnvLayout
-from dreamer.envs import EnvConfigError, check_task, make_env
+from dreamer.envs import EnvConfigError, check_task, make_env, pixel_shape
 from dreamer.envs import dmc  # sets MUJOCO_GL before dm_control is imported
 
 from dm_control import suite  # noqa: E402  (after dreamer.envs.dmc on purpose)
@@ -73,7 +73,7 @@ def test_pixels_observation():
     env = make_env(config(obs="pixels", size=[48, 80]), seed=0)
     assert list(env.observation_spec.keys()) == ["pixels"]
     spec = env.observation_spec["pixels"]
-    assert spec.shape == (3, 48, 80) and spec.dtype == torch.uint8
+    assert spec.shape == (3, 48, 80) == pixel_shape(config(obs="pixels", size=[48, 80])) and spec.dtype == torch.uint8
     first = env.reset()["pixels"]
     assert first.shape == (3, 48, 80) and first.dtype == torch.uint8
     assert first.float().std() > 10  # a real picture, not a blank buffer

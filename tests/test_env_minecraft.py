@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchrl.envs.utils import check_env_specs
 
-from dreamer.envs import EnvConfigError, check_task, make_env
+from dreamer.envs import EnvConfigError, check_task, make_env, pixel_shape
 from dreamer.envs.minecraft import ACTIONS, EQUIPPED, ITEMS, MILESTONES, VECTOR_DIM, MinecraftEnv
 
 EMULATED = OmegaConf.load("configs/env/emulated.yaml")
@@ -166,7 +166,7 @@ def test_emulated_env_has_the_minecraft_specs_and_is_deterministic():
     env = make_env(cfg, seed=3)
     check_env_specs(env)
     assert env.action_spec.shape == (25,) and env.observation_spec["vector"].shape == (VECTOR_DIM,)
-    assert env.observation_spec["pixels"].shape == (3, 64, 64)
+    assert env.observation_spec["pixels"].shape == (3, 64, 64) == pixel_shape(cfg)
     first = [td.get("pixels") for td in run(env, [1] * 8)]
     second = [td.get("pixels") for td in run(make_env(cfg, seed=3), [1] * 8)]
     other = [td.get("pixels") for td in run(make_env(cfg, seed=4), [1] * 8)]
@@ -205,3 +205,20 @@ def test_tasks_are_checked():
         check_task(OmegaConf.create({"suite": "emulated", "task": "nether"}))
     with pytest.raises(EnvConfigError, match="MineRL is not installed here: run inside the Docker image"):
         check_task(OmegaConf.create({"suite": "minecraft", "task": "diamond"}))
+
+
+def test_pixel_shape_is_each_suites_image_from_its_settings_alone():
+    """What the learner reads, known without building an env (scripts/preset_costs.py); the env tests of each
+    suite check it against the built env's spec."""
+    cfg = EMULATED.copy()
+    cfg.step_latency, cfg.size = 0.0, [48, 80]
+    assert pixel_shape(cfg) == (3, 48, 80) == make_env(cfg, seed=0).observation_spec["pixels"].shape
+    assert pixel_shape(OmegaConf.create({"suite": "crafter", "size": [96, 64]})) == (3, 64, 96)  # [width, height]
+    assert pixel_shape(OmegaConf.create({"suite": "atari"})) == (1, 96, 96)
+    assert pixel_shape(OmegaConf.create({"suite": "atari", "gray": False, "size": [64, 64]})) == (3, 64, 64)
+    assert pixel_shape(OmegaConf.create({"suite": "dmc", "obs": "proprio"})) is None
+    assert pixel_shape(OmegaConf.create({"suite": "dmc", "obs": "both"})) == (3, 64, 64)
+    assert pixel_shape(OmegaConf.create({"suite": "gym"})) is None
+    for size in ([64], [64, 64, 3], [64.5, 64], [0, 64]):
+        with pytest.raises(EnvConfigError, match=r"^emulated size must be \[height, width\] in pixels, got "):
+            pixel_shape(OmegaConf.create({"suite": "emulated", "size": size}))

@@ -38,6 +38,29 @@ class EnvConfigError(ValueError):
     """A bad environment setting; the message is one line for the user."""
 
 
+# Each image suite's `size` setting: its default when unset, and whether it is [width, height] (crafter's
+# own order) rather than [height, width]; and the channels of its `pixels` (atari: 1 with `gray`).
+PIXEL_SIZES = {"dmc": ((64, 64), False), "atari": ((96, 96), False), "crafter": ((64, 64), True),
+               "minecraft": ((64, 64), False), "emulated": ((64, 64), False)}
+
+
+def pixel_shape(env_cfg, suite: str | None = None) -> tuple[int, int, int] | None:
+    """The [C, H, W] of the `pixels` of `suite` (default: `env_cfg.suite`) from its settings, or None where it
+    renders none (gym, dmc's proprio). The adapters build their images to it; no env is built here, so a
+    suite's packages (ALE, Crafter, MineRL) need not be installed to know it."""
+    suite = suite or env_cfg.get("suite")
+    if suite not in PIXEL_SIZES or (suite == "dmc" and env_cfg.get("obs", "proprio") == "proprio"):
+        return None
+    default, width_first = PIXEL_SIZES[suite]
+    size = env_cfg.get("size", None) or default
+    if len(size) != 2 or not all(isinstance(n, int) and n > 0 for n in size):
+        order = "[width, height]" if width_first else "[height, width]"
+        raise EnvConfigError(f"{suite} size must be {order} in pixels, got {list(size)}")
+    height, width = (size[1], size[0]) if width_first else (size[0], size[1])
+    channels = 1 if suite == "atari" and env_cfg.get("gray", True) else 3
+    return channels, int(height), int(width)
+
+
 def suite_module(suite: str):
     if suite not in SUITES:
         raise EnvConfigError(f"unknown env suite '{suite}'; available: {', '.join(sorted(SUITES))}")

@@ -187,21 +187,19 @@ class AtariEnv(EnvBase):
 
 
 def make(env_cfg: DictConfig, seed: int) -> EnvBase:
-    from . import EnvConfigError
+    from . import EnvConfigError, pixel_shape
 
     check_task(env_cfg.task)
     actions = str(env_cfg.get("actions", "all"))
     if actions not in ACTION_SETS:
         raise EnvConfigError(f"unknown atari actions '{actions}'; available: {', '.join(ACTION_SETS)}")
-    size = env_cfg.get("size", [96, 96])
-    if len(size) != 2:
-        raise EnvConfigError(f"atari size must be [height, width], got {list(size)}")
+    channels, height, width = pixel_shape(env_cfg, "atari")
     sticky = env_cfg.get("sticky", 0.25)
     sticky = (0.25 if sticky else 0.0) if isinstance(sticky, bool) else float(sticky)
     env = AtariEnv(
         env_cfg.task,
-        size=tuple(size),
-        gray=bool(env_cfg.get("gray", True)),
+        size=(height, width),
+        gray=channels == 1,
         sticky=sticky,
         noops=int(env_cfg.get("noops", 30)),
         repeat=int(env_cfg.get("repeat", 4)),

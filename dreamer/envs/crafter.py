@@ -117,7 +117,9 @@ class CrafterEnv(EnvBase):
 
 
 def make(env_cfg: DictConfig, seed: int) -> EnvBase:
+    from . import pixel_shape
+
     check_task(env_cfg.task)
     steps = env_cfg.get("max_episode_steps", 10000)
-    size = env_cfg.get("size", None) or (64, 64)
-    return CrafterEnv(seed=seed, length=None if steps is None else int(steps), size=tuple(size))
+    _, height, width = pixel_shape(env_cfg, "crafter")
+    return CrafterEnv(seed=seed, length=None if steps is None else int(steps), size=(width, height))

@@ -61,14 +61,16 @@ def check_task(task: str) -> None:
 
 
 def make(env_cfg: DictConfig, seed: int) -> EnvBase:
+    from . import pixel_shape
+
     check_task(env_cfg.task)
-    size = env_cfg.get("size", (64, 64))
+    shape = pixel_shape(env_cfg, "dmc")
     return DMCEnv(
         env_cfg.task,
         seed=seed,
         obs=env_cfg.get("obs", "proprio"),
         repeat=int(env_cfg.get("repeat", 1)),
-        size=(int(size[0]), int(size[1])),
+        size=(64, 64) if shape is None else shape[1:],
         camera=int(env_cfg.get("camera", -1)),
         max_episode_steps=int(env_cfg.max_episode_steps),
     )

@@ -128,6 +128,8 @@ def check_task(task: str) -> None:
 
 
 def make(env_cfg: DictConfig, seed: int) -> EnvBase:
-    size = tuple(env_cfg.get("size", (64, 64)))
+    from . import pixel_shape
+
+    size = pixel_shape(env_cfg, "emulated")[1:]
     backend = EmulatedMineRL(env_cfg.step_latency, env_cfg.reset_latency, size, seed, env_cfg.get("fail_every", 0))
     return MinecraftEnv(backend, env_cfg.max_episode_steps, env_cfg.break_speed, size)

@@ -337,7 +337,9 @@ def diamond_spec(max_episode_steps: int, break_speed: float, size: tuple[int, in
 def make(env_cfg: DictConfig, seed: int) -> EnvBase:
     import gym
 
-    size = tuple(env_cfg.get("size", (64, 64)))
+    from . import pixel_shape
+
+    size = pixel_shape(env_cfg, "minecraft")[1:]
     spec = diamond_spec(int(env_cfg.max_episode_steps), float(env_cfg.break_speed), size)
     if spec.name not in gym.envs.registry.env_specs:
         spec.register()
