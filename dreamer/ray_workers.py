@@ -20,8 +20,8 @@ Three parts:
   server, waits for its answers to all of them and sends them, and only then takes the replies that came
   meanwhile. Beside a size200m learner on one H100 (64 envs) pipelined kept 0.941 of the collecting rate
   and sweep 0.903, same call (BENCHMARKS.md). A step costs one Ray call, whose reply carries the
-  observation and whose argument carries the action. Chunks go on to the trainer over a pipe, as their bytes (a worker
-  process's go through shared memory). A pump owns its actors: when it ends, Ray ends them.
+  observation and whose argument carries the action. Chunks go on to the trainer over a pipe, as their
+  bytes (a worker process's go through shared memory). A pump owns its actors: when it ends, Ray ends them.
   torchrl's Ray transport for its inference server was not used: a step through it takes about four Ray
   calls (requests and answers pass through queue actors) and its own server beside the run's.
 - `RayPool`, in the trainer: the pumps, behind the worker pool's interface (`dreamer.workers.WorkerPool`)

@@ -39,7 +39,7 @@ class EnvConfigError(ValueError):
 
 
 # Each image suite's `size` setting: its default when unset, and whether it is [width, height] (crafter's
-# own order) rather than [height, width]; and the channels of its `pixels` (atari: 1 with `gray`).
+# own order) rather than [height, width]. Its `pixels` have 3 channels, atari's 1 with `gray`.
 PIXEL_SIZES = {"dmc": ((64, 64), False), "atari": ((96, 96), False), "crafter": ((64, 64), True),
                "minecraft": ((64, 64), False), "emulated": ((64, 64), False)}
 
