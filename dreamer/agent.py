@@ -207,9 +207,21 @@ class ImageDecoder(nn.Module):
             kernel_size=size.kernel,
             num_blocks=size.blocks,
         )
+        if layout.image_shape[0] == 1:
+            self.net.layers[-1].register_forward_pre_hook(_contiguous_input)
+
 
     def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
         return self.net(state, belief).float()
+
+
+def _contiguous_input(layer: nn.Module, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+    """The last transposed convolution of a one-channel (grey) decoder takes an NCHW input. The channel
+    norm before it gives NHWC maps, and on CUDA, compiled, the convolution's backward then fails inductor's
+    stride check: its meta kernel predicts the input's gradient in the input's layout (NHWC), while cuDNN
+    computes that gradient from the one-channel output's gradient, which is NCHW (`atari`, 1 x 96 x 96;
+    BENCHMARKS.md). One copy of the maps per forward."""
+    return (args[0].contiguous(),)
 
 
 class Head(nn.Module):

@@ -7,11 +7,12 @@ import threading
 
 import pytest
 import torch
+from torchrl.data import Bounded, Composite, OneHot
 
-from dreamer.agent import build_agent
+from dreamer.agent import EnvLayout, build_agent
 from dreamer.learner import Learner
 from dreamer.replay import Replay
-from tests.test_agent import VECTOR, _batch, _loss, _optimizer, _size
+from tests.test_agent import IMAGE, VECTOR, _batch, _loss, _optimizer, _size
 from tests.test_learner import CONTINUOUS
 from tests.test_replay import _records
 
@@ -79,6 +80,30 @@ def test_captured_step_replays_match_the_eager_updates(compile, actor_grad):
         assert torch.allclose(b_graph, b_eager, rtol=1e-3, atol=1e-4), step
     for a, b in zip(eager.params, captured.params):
         assert (a - b).norm() <= 1e-3 * max(1.0, float(a.norm()))
+
+
+GREY = EnvLayout.from_specs(Composite(pixels=Bounded(0, 255, (1, 32, 32), dtype=torch.uint8)), OneHot(4))
+
+
+@pytest.mark.parametrize("layout", [GREY, IMAGE], ids=["grey", "colour"])
+def test_the_compiled_captured_step_takes_grey_and_colour_images(layout):
+    """One-channel images (`atari`) once stopped the compiled step in warm-up: the decoder's last
+    transposed convolution's backward failed inductor's stride check on CUDA (ImageDecoder's
+    `_contiguous_input`). Compiled and captured in bfloat16, as a run on the GPU trains."""
+    torch.manual_seed(0)
+    device = torch.device("cuda:0")
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4, depth=8)
+    with torch.device(device):
+        agent = build_agent(layout, size)
+    learner = Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=True, cudagraph=True,
+                      bf16=True)
+    learner.warmup(_batch(layout, size, 4, 8).to(device))
+    last = agent.networks.image_decoder.net.layers[-1].weight  # the decoder's last transposed convolution
+    before = last.detach().clone()
+    for _ in range(2):
+        learner.update(_batch(layout, size, 4, 8).to(device))
+    assert all(torch.isfinite(torch.tensor(v)) for v in learner.drain().values())
+    assert not torch.equal(last.detach(), before)
 
 
 def test_write_back_from_cuda_tensors():
