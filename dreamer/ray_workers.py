@@ -76,6 +76,12 @@ LOCAL_STORE_PER_ENV, LOCAL_STORE_MIN = 8 * 2**20, 512 * 2**20
 # replies again: a reply that comes meanwhile waits at most this long to be posted.
 IDLE_WAIT = 0.0005
 
+# Said once when Ray's memory monitor kills an env worker: its replacement is killed in turn while the node
+# stays full (256 emulated envs on the 128 GB GPU machine: 148 replacements in 100 s, BENCHMARKS.md).
+OUT_OF_MEMORY = ("dreamer: a node ran out of memory and Ray killed env workers, which are replaced and may be "
+                 "killed again; set run.ray_env_memory_gb to what one env worker needs (Ray then starts only "
+                 "the workers that fit and the others wait for room), or run fewer envs per node")
+
 # How a pump relays steps (`run.ray_pump`; `_Pump`), the default first.
 PUMP_MODES = ("pipelined", "sweep")
 
@@ -598,6 +604,7 @@ class RayPool:
         self.placed: list[Placed] = []  # the pumps' placements since their start
         self.restarts = 0  # actor replacements, pump restarts and env rebuilds inside actors
         self.stalls = 0  # actors replaced for taking no step in stall_seconds
+        self.memory_kills = 0  # actors replaced after Ray's memory monitor killed them
         self.deaths = 0  # pump deaths in a row
         self.read_seconds = 0.0
         self._reading = False
@@ -754,6 +761,10 @@ class RayPool:
         self.stalls += message.reason.startswith("no env step")
         if self.announce:
             self.announce(f"dreamer: Ray env worker {message.stream} replaced ({message.reason})")
+        if message.reason.startswith("OutOfMemoryError"):
+            self.memory_kills += 1
+            if self.memory_kills == 1 and self.announce:
+                self.announce(OUT_OF_MEMORY)
         if self.on_restart is not None:
             self.on_restart(message.stream)
 

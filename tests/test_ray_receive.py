@@ -12,7 +12,7 @@ import time
 import torch
 from tensordict import TensorDict
 
-from dreamer.ray_workers import Packed, Placed, RayPool, Restarted
+from dreamer.ray_workers import OUT_OF_MEMORY, Packed, Placed, RayPool, Restarted
 from dreamer.workers import Chunk
 
 
@@ -220,3 +220,20 @@ def test_a_pool_names_the_pump_modes_when_given_another():
         assert str(error) == "pump must be one of pipelined, sweep, got 'pipeline'"
     else:
         raise AssertionError("a pool took an unknown pump mode")
+
+
+def test_workers_killed_for_memory_are_replaced_and_the_run_says_once_what_to_set():
+    """Ray's memory monitor kills actors when a node is full (reason as the pump passes it on); each
+    replacement is announced, and one line says what to do about it."""
+    events: list = []
+    pool, writer = _pool(events)
+    said: list[str] = []
+    pool.announce = said.append
+    killed = "OutOfMemoryError: 8 worker(s) were killed due to the node running low on memory."
+    for stream in (2, 1, 2):
+        writer.send(Restarted(stream, killed))
+    for _ in range(3):
+        _read(pool, events)
+    assert events == [("restart", 2), ("restart", 1), ("restart", 2)] and pool.memory_kills == 3
+    assert said.count(OUT_OF_MEMORY) == 1 and sum("replaced (OutOfMemoryError" in line for line in said) == 3
+    assert "run.ray_env_memory_gb" in OUT_OF_MEMORY
