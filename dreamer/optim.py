@@ -15,6 +15,17 @@ import torch
 PARAMETER_NORM_MIN = 1e-3
 
 
+def _in_layout_of(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` in float32 with `param`'s strides. CUDA's fused foreach kernels need every list of an operation
+    to share sizes and strides; one gradient in another layout (a convolution's weight gradient comes
+    channels-last from cuDNN while its weight is NCHW) sends the whole operation down the per-tensor path,
+    one kernel per parameter tensor. The copy is of that gradient only."""
+    grad = grad.float()
+    if grad.stride() == param.stride():
+        return grad
+    return torch.empty_like(param, dtype=torch.float32).copy_(grad)
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     """The `optimizer:` section of the config (configs/config.yaml holds the defaults; dreamer.config builds
@@ -64,7 +75,7 @@ class LaProp:
         s = self.settings
         index = [i for i, g in enumerate(grads) if g is not None]
         params = [self.params[i] for i in index]
-        grads = [grads[i].float() for i in index]
+        grads = [_in_layout_of(grads[i], self.params[i]) for i in index]
         rms = [self.rms[i] for i in index]
         momentum = [self.momentum[i] for i in index]
         self.step_count += 1

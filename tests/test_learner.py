@@ -531,3 +531,26 @@ def test_a_compiled_step_that_fails_in_warm_up_ends_the_run_in_one_line(monkeypa
     eager.needs_warmup = True
     with pytest.raises(ValueError, match="not a compiler error"):  # without compiling, errors pass as they are
         warm_up(eager, batch)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_the_optimizers_lists_share_strides_so_cuda_fuses_them(monkeypatch, channels_last):
+    """CUDA's fused foreach kernels need each operation's lists to share sizes and strides, or the whole
+    operation runs one kernel per tensor. Convolution weight gradients come channels-last from the CPU's
+    and cuDNN's kernels while the weights are NCHW; LaProp puts each gradient in its weight's layout
+    (values unchanged: the update equals torchrl's, test_optimizer_equals_torchrl_on_the_same_gradients)."""
+    torch.manual_seed(0)
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    learner = Learner(build_agent(IMAGE, size), SETTINGS, _optimizer(), torch.device("cpu"),
+                      channels_last=channels_last)
+    mismatched: list[tuple] = []
+    addcmul = torch._foreach_addcmul_
+
+    def checked(state, grads, *args, **kwargs):
+        mismatched.extend((s.shape, s.stride(), g.stride()) for s, g in zip(state, grads) if s.stride() != g.stride())
+        return addcmul(state, grads, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_addcmul_", checked)
+    learner.update(_batch(IMAGE, size, 2, 8))
+    conv = [p for p in learner.params if p.dim() == 4]
+    assert conv and not mismatched, mismatched
