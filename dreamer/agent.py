@@ -210,7 +210,6 @@ class ImageDecoder(nn.Module):
         if layout.image_shape[0] == 1:
             self.net.layers[-1].register_forward_pre_hook(_contiguous_input)
 
-
     def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
         return self.net(state, belief).float()
 

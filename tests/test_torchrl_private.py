@@ -622,6 +622,20 @@ def check_mlp_model(world):
            f"checkpoints and state-dict keys name it so: {names}")
 
 
+def check_image_decoder_last_layer(world):
+    from torchrl.modules import DreamerV3ImageDecoder
+
+    decoder = DreamerV3ImageDecoder(12, image_shape=(1, 16, 16), depth=4, mults=(1, 2), num_blocks=2)
+    last = decoder.layers[-1]
+    expect(isinstance(last, nn.ConvTranspose2d) and last.out_channels == 1,
+           f"layers[-1] is {type(last).__name__}, not the ConvTranspose2d that makes the image's channels")
+    seen = []
+    last.register_forward_pre_hook(lambda layer, args: seen.append(args[0].shape) or None)
+    image = decoder(torch.randn(3, 8), torch.randn(3, 4))
+    expect(image.shape == torch.Size([3, 1, 16, 16]) and seen == [torch.Size([3, 4, 8, 8])],
+           f"does not end in layers[-1] on the (N, C, H / 2, W / 2) maps (its input: {seen})")
+
+
 def check_discrete_actor(world):
     from torchrl.modules import DreamerV3DiscreteActor
 
@@ -726,6 +740,9 @@ ENTRIES = [
           check_posterior_layout),
     Entry("torchrl.modules.DreamerV3MLP.model[-1]", "dreamer/agent.py:ContinuousActor.__init__",
           "the output nn.Linear, last of (Linear, norm, SiLU) per layer", check_mlp_model),
+    Entry("torchrl.modules.DreamerV3ImageDecoder.layers[-1]", "dreamer/agent.py:ImageDecoder.__init__",
+          "the ConvTranspose2d that makes the image's channels, called last on the (N, C, H, W) maps",
+          check_image_decoder_last_layer),
     Entry("torchrl.modules.DreamerV3DiscreteActor.module[0].module", "dreamer/agent.py:build_networks",
           "the network, (state, belief) -> log-probabilities", check_discrete_actor),
 ]
