@@ -92,6 +92,7 @@ class LaProp:
             torch._foreach_clamp_min_(param_norms, PARAMETER_NORM_MIN)
             limits = torch._foreach_mul(param_norms, s.agc)
             scales = torch._foreach_div(limits, torch._foreach_maximum(grad_norms, limits))
+            # One kernel per tensor: the factors are 0-dim, and CUDA fuses only lists of equal sizes.
             grads = self._join(index, torch._foreach_mul(units, scales))
             owners = [(i, group) for i in index for group in range(len(self.row_groups.get(i, (None,))))]
             self.clip_scales = dict(zip(owners, scales))
