@@ -275,10 +275,8 @@ class Learner:
     # ---- the update ------------------------------------------------------------------------------
 
     def _optimize(self, grads):
-        # Eager, inside the graph all the same: each foreach op is a few multi-tensor kernels over every
-        # parameter, where inductor would emit kernels per parameter (and compile longer). Not so adaptive
-        # clipping's multiply by each tensor's own factor: CUDA fuses only lists of equal sizes, so it runs
-        # one kernel per parameter tensor (LaProp.step).
+        # Eager inside the graph: each foreach op is a few multi-tensor kernels (inductor would emit kernels
+        # per parameter and compile longer), but for adaptive clipping's per-tensor factors (LaProp.step).
         grad_norm = self.optimizer.step(grads)
         self.losses.update_slow_critic()
         return (grad_norm, *self.optimizer.clip_metrics())
