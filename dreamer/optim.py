@@ -20,10 +20,9 @@ def _in_layout_of(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     to share sizes and strides; one gradient in another layout (a convolution's weight gradient comes
     channels-last from cuDNN while its weight is NCHW) sends the whole operation down the per-tensor path,
     one kernel per parameter tensor. The copy is of that gradient only."""
-    grad = grad.float()
     if grad.stride() == param.stride():
-        return grad
-    return torch.empty_like(param, dtype=torch.float32).copy_(grad)
+        return grad.float()
+    return torch.empty_like(param, dtype=torch.float32).copy_(grad)  # one copy, the cast included
 
 
 @dataclass(frozen=True)
