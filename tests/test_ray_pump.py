@@ -45,38 +45,54 @@ class _Stepper:
 
 @pytest.mark.parametrize("mode", ["pipelined", "sweep"])
 def test_a_reply_that_comes_while_the_server_holds_a_pass_waits_for_that_pass_in_a_sweep_only(mode):
-    """Stream 0 replies at once, stream 1 after 0.3 s. The server takes stream 0's request and holds its
-    pass open until stream 1's request is in its slot (3 s at most): the pipelined pump posts it meanwhile;
-    the sweep pump waits for the pass's answers before it takes more replies, so stream 1's request stays
-    unposted for all of the 3 s. Then the server answers every request, and both streams go on stepping."""
+    """Stream 0 replies at once, stream 1 after 0.3 s. Once both actors have stepped, the server takes a
+    request of stream 0 that comes while stream 1 is stepping and holds its pass open until stream 1's
+    request is in its slot (3 s at most): the pipelined pump posts it meanwhile; the sweep pump waits for the
+    pass's answers before it takes more replies, so stream 1's request stays unposted for all of the 3 s.
+    Then the server answers every request, and both streams go on stepping."""
     transport = KillSafeSlotTransport(TensorDict(observation=torch.zeros(3)),
                                       TensorDict(policy=TensorDict(action=torch.zeros(2))), num_slots=2)
     ready = transport._request_ready
     clients = {0: transport.client(), 1: transport.client()}
     stop, serving = threading.Event(), threading.Event()  # the pump's stop; the held pass answered
     closing = threading.Event()  # the server's stop, once the pump has stopped (a sweep may wait on it)
+    stepped = multiprocessing.RawArray("q", 2)
     held: dict = {}
 
+    def answer(slots) -> None:
+        slots = [slot for slot in slots if ready[slot]]
+        for slot in slots:
+            ready[slot] = 0
+        transport.ring(slots)
+
     def serve() -> None:
-        while not ready[0] and not closing.is_set():
+        # Every request answered as it comes until both actors have stepped: their starts may come in either
+        # order, seconds apart, and a sweep waits for the answer to whichever request it posted first.
+        while min(stepped) < 1 and not closing.is_set():
+            answer((0, 1))
+            time.sleep(0.001)
+        # The held pass: a request of stream 0 in its slot while stream 1 steps. One of stream 1 alone is
+        # answered; with both in, or stream 1's following within 50 ms (posted with it), both are answered
+        # and the next one looked for.
+        while not closing.is_set():
+            if ready[0] and not ready[1]:
+                time.sleep(0.05)
+                if not ready[1]:
+                    break
+            answer((0, 1))
             time.sleep(0.001)
         start = time.monotonic()
         while not ready[1] and time.monotonic() - start < 3.0 and not closing.is_set():
             time.sleep(0.001)
         held.update(posted=bool(ready[1]), seconds=time.monotonic() - start)
-        ready[0] = 0
-        transport.ring([0])
+        answer((0,))
         serving.set()
         while not closing.is_set():  # then every request, as it comes
-            slots = [slot for slot in (0, 1) if ready[slot]]
-            for slot in slots:
-                ready[slot] = 0
-            transport.ring(slots)
+            answer((0, 1))
             time.sleep(0.001)
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     reader, writer = multiprocessing.Pipe(duplex=False)
-    stepped = multiprocessing.RawArray("q", 2)
     args = ({"delays": [0.0, 0.3], "width": transport.requests.shape[1]}, 0, None, None, 8, 3)
     pump = _Pump(ray.remote(_Stepper), args, clients, writer, stop, 3, 60.0, stepped,
                  multiprocessing.RawArray("d", 2 * TIMES), multiprocessing.RawValue("q", 0), {"num_cpus": 0.5},
@@ -86,7 +102,7 @@ def test_a_reply_that_comes_while_the_server_holds_a_pass_waits_for_that_pass_in
     try:
         server.start()
         looping.start()
-        assert serving.wait(120), "no request reached the server"
+        assert serving.wait(120), f"no pass held: steps {list(stepped)}, pump running {looping.is_alive()}"
         deadline = time.monotonic() + 60
         while min(stepped) < 5 and time.monotonic() < deadline and looping.is_alive():
             time.sleep(0.05)
