@@ -17,7 +17,9 @@ channels-last memory format), ours_autotune (ours with inductor's Triton matmul 
 against cuBLAS, so that a matmul's bias, tap and casts fuse into its kernel: fewer launches, longer
 warm-up), ours_fuse (ours with `run.fuse_kernels`: inductor's combo kernels, independent kernels of a
 compiled graph, e.g. the norms of one scan step, side by side in one launch), ours_graph (CUDA graph, no
-compile), torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
+compile), ours_copt (ours with LaProp's step compiled too: a probe of whether inductor fuses the
+optimizer's list operations, adaptive clipping's per-tensor multiply included, into fewer kernels and memory
+passes), torchrl_step (whole-step compile + CUDA graph), torchrl_scan (compiled RSSM scan + CUDA graph);
 on CPU torchrl runs eagerly (torchrl_eager).
 """
 
@@ -157,10 +159,12 @@ def run_single(args) -> dict:
 
         inductor.max_autotune_gemm = True  # Triton GEMM templates beside cuBLAS, with epilogue fusion
     if args.single.startswith("ours"):
-        compile = cuda and args.single in ("ours", "ours_cl", "ours_autotune", "ours_fuse")
+        compile = cuda and args.single in ("ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_copt")
         learner = Learner(agent, loss_settings, optimizer_settings, device, compile=compile, cudagraph=cuda, bf16=cuda,
                           channels_last=args.single == "ours_cl", fuse_kernels=args.single == "ours_fuse",
                           progress=lambda line: print(f"warm-up: {line}", file=sys.stderr, flush=True))
+        if args.single == "ours_copt":  # compiled at the warm-up's first update, inside the captured step
+            learner.optimizer.step = torch.compile(learner.optimizer.step, dynamic=False)
         if args.flops:
             result["gflop_per_update"] = round(_flops(learner, batch) / 1e9, 1)
         start = time.perf_counter()
@@ -254,7 +258,7 @@ def main() -> None:
     parser.add_argument("--image", type=_image_shape, default=(3, 64, 64), metavar="C,H,W",
                         help="the image observation's shape with --obs image (default 3,64,64; Atari: 1,96,96)")
     parser.add_argument("--variant", default="both",
-                        help="ours | ours_cl | ours_autotune | ours_fuse | ours_graph | torchrl | torchrl_step | "
+                        help="ours | ours_cl | ours_autotune | ours_fuse | ours_copt | ours_graph | torchrl | torchrl_step | "
                              "torchrl_scan | both (default) | all, or a comma-separated list of variants")
     parser.add_argument("--warm-cache", action="store_true",
                         help="reuse the compiler caches (default: each variant compiles from an empty cache)")
@@ -279,7 +283,7 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu")
     torchrl = ["torchrl_step", "torchrl_scan"] if cuda else ["torchrl_eager"]
-    ours = ["ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_graph"] if cuda else ["ours"]
+    ours = ["ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_copt", "ours_graph"] if cuda else ["ours"]
     groups = {"ours": ["ours"], "torchrl": torchrl, "both": ["ours"] + torchrl, "all": ours + torchrl}
     variants = [v for name in args.variant.split(",") for v in groups.get(name, [name])]
     # Ctrl-C or a SIGTERM (an outer `timeout`) stops the variants still running, in their own sessions.
@@ -309,7 +313,7 @@ def _run_variants(args, variants: list[str], torchrl: list[str]) -> None:
         _emit(result, args.out)
     ok = {r["variant"]: r for r in results if "updates_per_second" in r}
     baseline = max((ok[v] for v in torchrl if v in ok), key=lambda r: r["updates_per_second"], default=None)
-    for name in ("ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_graph"):
+    for name in ("ours", "ours_cl", "ours_autotune", "ours_fuse", "ours_copt", "ours_graph"):
         if name in ok and baseline:
             _emit({"ratio": f"{name}/torchrl", "baseline": baseline["variant"],
                    "speedup": round(ok[name]["updates_per_second"] / baseline["updates_per_second"], 2)}, args.out)
