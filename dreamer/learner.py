@@ -275,8 +275,8 @@ class Learner:
     # ---- the update ------------------------------------------------------------------------------
 
     def _optimize(self, grads):
-        # Eager inside the graph: each foreach op is a few multi-tensor kernels (inductor would emit kernels
-        # per parameter and compile longer), but for adaptive clipping's per-tensor factors (LaProp.step).
+        # Eager inside the graph: each foreach op a few multi-tensor kernels, but for adaptive clipping's
+        # per-tensor factors (LaProp.step); compiled, it is bench_learner's ours_copt (not measured yet).
         grad_norm = self.optimizer.step(grads)
         self.losses.update_slow_critic()
         return (grad_norm, *self.optimizer.clip_metrics())
