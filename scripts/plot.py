@@ -2,6 +2,7 @@
 
     python scripts/plot.py RUN_DIR [RUN_DIR ...] [--out curves.png] [--metric episode/return]
     python scripts/plot.py runs/sweeps/<time>        # a sweep folder: each of its run folders
+    python scripts/plot.py RUN_DIR ... --compare OTHER_LOGDIR   # beside a run of the reference's own code
 
 Runs are grouped by environment (suite, task and observations, from each run's config.yaml). Each run is
 drawn at its own records (markers), against frames (env steps x action repeat, as the reference counts);
@@ -9,6 +10,10 @@ where a group has several seeds, their median and inter-quartile range are drawn
 all of them reached. The reference's curve for the task (`dreamer/reference`: training-episode returns,
 mean and min-max over its seeds) is drawn under them where it exists. The default metric is the
 training-episode return, the reference's own measure; `--metric eval/return_mean` plots evaluations.
+
+`--compare` draws, on a figure of one task, the training returns of a run of the reference's own code: its
+logdir's `scores.jsonl` (one record per episode, `step` in frames, `episode/score`), averaged per round of
+episodes that end together (DeepMind Control's envs step in lock-step through fixed-length episodes).
 """
 
 from __future__ import annotations
@@ -74,11 +79,33 @@ def load_run(run: Path, metric: str) -> tuple[tuple, dict, np.ndarray, np.ndarra
     return key, env, np.array(frames, dtype=float), np.array(values, dtype=float)
 
 
-def draw(axis, title: str, curves: list[tuple[dict, np.ndarray, np.ndarray]], metric: str):
+def load_scores(logdir: Path, gap: float = 2000) -> tuple[np.ndarray, np.ndarray]:
+    """(frames, mean score) per round of a run of the reference's own code: its `scores.jsonl` episodes,
+    a new round wherever `gap` frames or more pass without an episode ending."""
+    path = logdir / "scores.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{logdir} has no scores.jsonl (--compare takes a logdir of the reference's own code)")
+    episodes = sorted((r["step"], r["episode/score"]) for r in map(json.loads, path.read_text().splitlines())
+                      if "episode/score" in r)
+    if not episodes:
+        raise ValueError(f"{path} has no 'episode/score' records")
+    rounds: list[list[tuple[float, float]]] = []
+    for step, score in episodes:
+        if rounds and step - rounds[-1][-1][0] < gap:
+            rounds[-1].append((step, score))
+        else:
+            rounds.append([(step, score)])
+    return (np.array([np.mean([s for s, _ in r]) for r in rounds]),
+            np.array([np.mean([v for _, v in r]) for r in rounds]))
+
+
+def draw(axis, title: str, curves: list[tuple[dict, np.ndarray, np.ndarray]], metric: str,
+         compare: list[tuple[str, np.ndarray, np.ndarray]] = ()):
     """One environment's runs [(env config, frames, values)] on `axis`, over the reference's band where it
-    has one; returns the reference curve (or None)."""
+    has one, and runs of the reference's own code [(label, frames, values)]; returns the reference curve
+    (or None)."""
     reference = curve(curves[0][0])
-    end = max(f[-1] for _, f, _ in curves)
+    end = max(f[-1] for _, f, _ in [*curves, *compare])
     if reference is not None:
         shown = reference.frames <= end * 1.05
         axis.fill_between(reference.frames[shown], reference.low[shown], reference.high[shown], color="0.85",
@@ -96,6 +123,8 @@ def draw(axis, title: str, curves: list[tuple[dict, np.ndarray, np.ndarray]], me
             low, median, high = np.percentile(stacked, [25, 50, 75], axis=0)
             axis.plot(grid, median, color="C1", label=f"dreamer median ({len(curves)} seeds)")
             axis.fill_between(grid, low, high, color="C1", alpha=0.25)
+    for index, (label, frames, values) in enumerate(compare):
+        axis.plot(frames, values, "s-", markersize=4, linewidth=1.2, color=f"C{2 + index}", label=label)
     axis.set_title(title)
     axis.set_xlabel("frames (env steps x action repeat)")
     axis.set_ylabel(metric)
@@ -109,10 +138,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("curves.png"))
     parser.add_argument("--metric", default="episode/return",
                         help="a metrics.jsonl key (default: the training-episode return, as the reference's)")
+    parser.add_argument("--compare", type=Path, action="append", default=[], metavar="LOGDIR",
+                        help="a logdir of the reference's own code (its scores.jsonl), drawn on a one-task figure")
     args = parser.parse_args()
     try:
         runs = run_folders(args.runs)
         loaded = [load_run(run, args.metric) for run in runs]
+        compare = [(f"reference's code run here, {logdir.name}", *load_scores(logdir)) for logdir in args.compare]
+        if compare and len({key for key, *_ in loaded}) > 1:
+            raise ValueError("--compare draws on a figure of one task; pass the runs of that task only")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -126,12 +160,13 @@ def main() -> int:
         groups[key].append((env, frames, values))
     figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
     for axis, (key, curves) in zip(axes[0], sorted(groups.items(), key=lambda item: str(item[0]))):
-        reference = draw(axis, " ".join(str(k) for k in key if k), curves, args.metric)
+        reference = draw(axis, " ".join(str(k) for k in key if k), curves, args.metric, compare)
         print(f"{' '.join(str(k) for k in key if k)}: {len(curves)} run(s), reference "
               f"{reference.source if reference else 'none published'}")
     figure.tight_layout()
     figure.savefig(args.out, dpi=100)
-    print(f"{len(runs)} runs in {len(groups)} group(s) -> {args.out}")
+    print(f"{len(runs)} runs in {len(groups)} group(s)"
+          f"{f', beside {len(compare)} of the reference code' if compare else ''} -> {args.out}")
     return 0
 
 

@@ -112,6 +112,42 @@ def test_plot_draws_a_dmc_run_over_the_reference_curve_at_equal_frames(workdir):
     assert plot.returncode == 2 and len(plot.stderr.strip().splitlines()) == 1 and "not a run folder" in plot.stderr
 
 
+def test_plot_draws_a_run_of_the_reference_code_beside_a_task_by_its_rounds_of_episodes(workdir):
+    """`--compare` reads a logdir of the reference's own code (its scores.jsonl, written here in that code's
+    format: one record per episode, step in frames): episodes ending together are one point, their mean."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from plot import load_scores
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    run = workdir / "runs" / "dmc"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("env:\n  suite: dmc\n  task: finger_spin\n  obs: proprio\n  repeat: 2\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"env_steps": s, "frames": 2 * s, "episode/return": s / 100})
+                                               + "\n" for s in range(8000, 40001, 8000)))
+    other = workdir / "ref" / "finger_spin-s0"
+    other.mkdir(parents=True)
+    episodes = [(16000 + 2 * i, 10.0 + i) for i in range(4)] + [(32000 + 2 * i, 100.0 + i) for i in range(4)]
+    (other / "scores.jsonl").write_text("".join(json.dumps({"step": s, "episode/score": v}) + "\n"
+                                                for s, v in episodes)
+                                        + json.dumps({"step": 32010, "episode/length": 500}) + "\n")
+    frames, scores = load_scores(other)
+    assert frames.tolist() == [16003, 32003] and scores.tolist() == [11.5, 101.5]
+    plot = _python([str(ROOT / "scripts" / "plot.py"), str(run), "--compare", str(other), "--out", "r.png"], workdir)
+    assert plot.returncode == 0, plot.stderr
+    assert "1 runs in 1 group(s), beside 1 of the reference code" in plot.stdout
+    assert (workdir / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A logdir without scores.jsonl (one of this project's run folders, say), or runs of two tasks: one line.
+    bad = _python([str(ROOT / "scripts" / "plot.py"), str(run), "--compare", str(run)], workdir)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no scores.jsonl" in bad.stderr
+    walker = workdir / "runs" / "walker"
+    walker.mkdir()
+    (walker / "config.yaml").write_text("env:\n  suite: dmc\n  task: walker_walk\n  obs: proprio\n  repeat: 2\n")
+    (walker / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    two = _python([str(ROOT / "scripts" / "plot.py"), str(run), str(walker), "--compare", str(other)], workdir)
+    assert two.returncode == 2 and "one task" in two.stderr and len(two.stderr.strip().splitlines()) == 1
+
+
 def test_an_unknown_key_in_a_sweep_fails_before_any_job(workdir):
     result = run_train(["-m", "hydra/launcher=joblib", "+debug=smoke", "run.nope=1,2"], workdir)
     assert result.returncode == 2
