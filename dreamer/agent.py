@@ -112,6 +112,10 @@ class LossSettings:
     # action (log pi times the normalized advantage), or "backprop", its earlier agent's way for continuous
     # actions (the normalized λ-return itself, differentiated through the frozen model's imagined steps).
     actor_grad: str = "reinforce"
+    # What the continue head learns (dreamer.losses.Losses): "flag", "not terminated", the returns then
+    # discounting by 1 - 1 / horizon; or "discounted", the reference's current agent's target, the flag times
+    # that discount, the returns taking the head's prediction as the whole discount.
+    continue_target: str = "flag"
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
            "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("pipelined", "sweep"),
-           "loss.actor_grad": ("reinforce", "backprop")}
+           "loss.actor_grad": ("reinforce", "backprop"), "loss.continue_target": ("flag", "discounted")}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

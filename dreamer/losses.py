@@ -83,9 +83,10 @@ def squared_error_loss(error: torch.Tensor, length: int, batch: int) -> torch.Te
     return error.pow(2).reshape(length, batch, -1).sum(-1).mean()
 
 
-def continue_loss(logits: torch.Tensor, terminated: torch.Tensor) -> torch.Tensor:
-    """The continue head's binary cross entropy against "not terminated" ([..., 1] logits and flags)."""
-    return F.binary_cross_entropy_with_logits(logits.squeeze(-1), (~terminated).float().squeeze(-1))
+def continue_loss(logits: torch.Tensor, terminated: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """The continue head's binary cross entropy against "not terminated" ([..., 1] logits and flags), the
+    flag times `scale` (the discount, for loss.continue_target=discounted)."""
+    return F.binary_cross_entropy_with_logits(logits.squeeze(-1), scale * (~terminated).float().squeeze(-1))
 
 
 # ---- imagination: returns, their scale, actor and critic ----
@@ -167,6 +168,8 @@ class Losses:
         self.nets, self.layout, self.size, self.settings = nets, layout, size, settings
         if settings.actor_grad not in ("reinforce", "backprop"):
             raise ValueError(f"loss.actor_grad must be reinforce or backprop, not {settings.actor_grad!r}")
+        if settings.continue_target not in ("flag", "discounted"):
+            raise ValueError(f"loss.continue_target must be flag or discounted, not {settings.continue_target!r}")
         if settings.actor_grad == "backprop" and layout.discrete:
             raise ValueError("loss.actor_grad=backprop differentiates continuous actions; this env's are discrete "
                              "(use loss.actor_grad=reinforce)")
@@ -176,6 +179,10 @@ class Losses:
         # float32 tensors, as torchrl's TD(lambda) estimator holds them (the same roundings of the returns)
         self.gamma = torch.tensor(1.0 - 1.0 / settings.horizon, device=device)
         self.lmbda = torch.tensor(settings.lmbda, device=device)
+        # The discount imagination applies on top of the continue head's prediction: all of it with a head
+        # that learns the flag; none with one that learns the discounted flag (its prediction is the discount).
+        self.discounted_head = settings.continue_target == "discounted"
+        self.imag_gamma = torch.ones_like(self.gamma) if self.discounted_head else self.gamma
         self.slow_critic = copy.deepcopy(nets.critic_head).requires_grad_(False)
         self.slow_params = dict(self.slow_critic.named_parameters())
         # EMAs of the imagined returns' 5th and 95th percentiles; the advantages' scale is max(1, high - low)
@@ -250,7 +257,8 @@ class Losses:
             reco = reco + squared_error_loss(error, length, batch)
         reward_logits, reward_target = nets.reward_head(states, beliefs), _time_major(targets["reward"])
         reward_loss = self.reward_twohot.loss(reward_logits, reward_target).mean()
-        continued = continue_loss(nets.continue_head(states, beliefs), _time_major(targets["terminated"]))
+        continued = continue_loss(nets.continue_head(states, beliefs), _time_major(targets["terminated"]),
+                                  self.gamma if self.discounted_head else 1.0)
         losses = {  # reconstruction, reward and continue weigh 1
             "loss_model_reco": reco,
             "loss_model_reward": reward_loss,
@@ -273,8 +281,8 @@ class Losses:
             next_value = self.value_twohot.mean(value_logits_all[:, 1:]).unsqueeze(-1)
             continuation_all = torch.sigmoid(nets.continue_head(img_states, img_beliefs))
             continuation = continuation_all[:, 1:]
-            lambda_target = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
-            weight = imagination_weights(continuation_all, self.gamma)
+            lambda_target = imagined_returns(reward, next_value, continuation, self.imag_gamma, self.lmbda)  # [N, H, 1]
+            weight = imagination_weights(continuation_all, self.imag_gamma)
             self.return_norm.update(lambda_target)
             scale = self.return_norm.scale().squeeze(-1)
             baseline = self.value_twohot.mean(value_logits_all[:, :-1]).unsqueeze(-1)
@@ -318,8 +326,8 @@ class Losses:
         with torch.no_grad():
             continuation_all = torch.sigmoid(nets.continue_head(states, beliefs))
             continuation = continuation_all[:, 1:]
-            weight = imagination_weights(continuation_all, self.gamma)
-        returns = imagined_returns(reward, next_value, continuation, self.gamma, self.lmbda)  # [N, H, 1]
+            weight = imagination_weights(continuation_all, self.imag_gamma)
+        returns = imagined_returns(reward, next_value, continuation, self.imag_gamma, self.lmbda)  # [N, H, 1]
         lambda_target = returns.detach()
         value_logits = self._critic(root_s, root_b)  # the critic's loss and, detached, the baseline
         with torch.no_grad():

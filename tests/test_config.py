@@ -122,7 +122,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("run.inference_threads", -1, "run.inference_threads must be at least 0 (0 = torch's default"),
     ("run.inference_threads", 1.5, "run.inference_threads must be an integer, got 1.5"),
     ("run.eval_envs", 0, "run.eval_envs must be at least 1 (envs an evaluation steps at once)"),
-    ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are actor_grad, entropy, "),
+    ("loss.entropy_scale", 1.0, "loss.entropy_scale is not a setting; the loss settings are actor_grad, continue_target, entropy, "),
     ("optimizer.momentum", 0.9, "optimizer.momentum is not a setting"),
     ("loss.actor_grad", "dynamics", "loss.actor_grad must be reinforce or backprop, got 'dynamics'"),
     ("run.fuse_kernels", "yes", "run.fuse_kernels must be auto, true or false, got 'yes'"),

@@ -416,6 +416,42 @@ def test_the_learner_uses_the_two_hot_setting():
     assert not _close(metrics["loss_model_reward"].detach(), raw_metrics["loss_model_reward"].detach())
 
 
+def test_a_continue_head_that_learns_the_discounted_flag_is_the_returns_whole_discount():
+    """loss.continue_target=discounted (the reference's): the head's target is the flag times the discount, and
+    imagination discounts by the head's prediction alone. A head predicting gamma p gives the same λ-returns
+    as a flag head predicting p, and imagination weights gamma times the flag head's (the reference's
+    weighting); the two targets' cross entropies are the ones of their definitions."""
+    gamma, p = 1 - 1 / 333, 0.9
+
+    def run(target, prediction):
+        agent, batch = _setup(CONTINUOUS)
+        learner = Learner(agent, _loss(imag_length=4, continue_target=target), _optimizer(), "cpu")
+        torch.manual_seed(2)  # the reward and value heads start at zero output: move them
+        with torch.no_grad():
+            for head in (agent.networks.reward_head, agent.networks.critic_head):
+                for param in head.parameters():
+                    param.normal_(std=0.3)
+            last = agent.networks.continue_head.mlp.model[-1]
+            last.weight.zero_()
+            last.bias.fill_(torch.logit(torch.tensor(prediction)).item())
+        torch.manual_seed(1)
+        return learner._losses(learner._inputs(batch.clone()))[1], batch
+
+    flag, batch = run("flag", p)
+    discounted, _ = run("discounted", gamma * p)
+    assert torch.isclose(discounted["continuation_mean"], gamma * flag["continuation_mean"])
+    for key in ("return_low", "return_high"):  # the λ-returns' percentiles: equal returns
+        assert _close(discounted[key], flag[key], tol=1e-5), key
+    assert torch.isclose(discounted["loss_actor"], gamma * flag["loss_actor"], rtol=1e-4)
+    alive = (~batch["next", "terminated"]).float()
+    for metrics, q, scale in ((flag, p, 1.0), (discounted, gamma * p, gamma)):
+        y = scale * alive
+        expected = -(y * torch.tensor(q).log() + (1 - y) * torch.tensor(1 - q).log()).mean()
+        assert torch.isclose(metrics["loss_model_continue"], expected, rtol=1e-5)
+    with pytest.raises(ValueError, match="loss.continue_target must be flag or discounted"):
+        Learner(_setup(CONTINUOUS)[0], _loss(continue_target="soft"), _optimizer(), "cpu")
+
+
 def test_evaluation_reads_the_weights_of_both_formats():
     from dreamer.evaluate import load_weights
 
