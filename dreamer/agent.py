@@ -112,10 +112,10 @@ class LossSettings:
     # action (log pi times the normalized advantage), or "backprop", its earlier agent's way for continuous
     # actions (the normalized λ-return itself, differentiated through the frozen model's imagined steps).
     actor_grad: str = "reinforce"
-    # What the continue head learns (dreamer.losses.Losses): "flag", "not terminated", the returns then
-    # discounting by 1 - 1 / horizon; or "discounted", the reference's current agent's target, the flag times
-    # that discount, the returns taking the head's prediction as the whole discount.
-    continue_target: str = "flag"
+    # What the continue head learns (dreamer.losses.Losses): "discounted", the reference's target, the flag
+    # "not terminated" times the discount 1 - 1 / horizon, the returns taking the head's prediction as their
+    # whole discount; or "flag", torchrl's loss's, the returns then discounting by 1 - 1 / horizon.
+    continue_target: str = "flag"  # for a run folder whose config.yaml predates the setting (configs/: discounted)
 
 
 @dataclass(frozen=True)
@@ -502,7 +502,8 @@ def torchrl_loss(agent: Agent, loss: LossSettings) -> tuple[DreamerV3Loss, SoftU
 
     A training run never builds it: dreamer.learner computes the losses itself. It is the learner's test
     oracle (tests/test_learner.py, the torchrl variants of scripts/bench_learner.py), and it reads
-    checkpoints of the learner's first format, which saved this module's state dict."""
+    checkpoints of the learner's first format, which saved this module's state dict. Its continue head
+    learns the flag: the learner's losses equal it at `loss.continue_target=flag`."""
     nets = agent.networks
     targets, predictions, use_symlog = nets.reconstruction
     model_loss = DreamerV3ModelLoss(

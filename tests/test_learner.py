@@ -25,7 +25,7 @@ CONTINUOUS = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-
 LAYOUTS = {"vector": VECTOR, "image": IMAGE, "continuous": CONTINUOUS}
 
 
-SETTINGS = _loss(imag_length=4)  # the loss settings of every learner here
+SETTINGS = _loss(imag_length=4, continue_target="flag")  # every learner here: torchrl's continue target
 
 
 def _setup(layout, seed=0):
