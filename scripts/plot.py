@@ -86,7 +86,7 @@ def load_scores(logdir: Path, gap: float = 2000) -> tuple[np.ndarray, np.ndarray
     if not path.is_file():
         raise ValueError(f"{logdir} has no scores.jsonl (--compare takes a logdir of the reference's own code)")
     episodes = sorted((r["step"], r["episode/score"]) for r in map(json.loads, path.read_text().splitlines())
-                      if "episode/score" in r)
+                      if "episode/score" in r and "step" in r)
     if not episodes:
         raise ValueError(f"{path} has no 'episode/score' records")
     rounds: list[list[tuple[float, float]]] = []
