@@ -454,7 +454,7 @@ def _leaves(tree, prefix: str = "") -> dict:
 # Settings added after runs were made, at the value the code before them had: a run folder whose config.yaml
 # predates one continues at that value, the same experiment.
 ADDED_SETTINGS = {"loss.two_hot": "symexp", "loss.actor_grad": "reinforce", "optimizer.agc_per_output": False,
-                  "loss.continue_target": "flag"}
+                  "loss.continue_target": "flag", "run.state_precision": "fp32"}
 
 
 def experiment_changes(old: dict, new: dict) -> list[str]:

@@ -123,6 +123,7 @@ class Settings:
     collect: str = "inline"  # run.collect resolved: inline, workers or ray
     fuse_kernels: bool = False  # run.fuse_kernels: the compiled learner's pieces with inductor's combo kernels
     cudnn_benchmark: bool = False  # run.cudnn_benchmark: cuDNN times its convolution algorithms per shape
+    state_bf16: bool = False  # run.state_precision=bf16: the learner rounds its recurrent state to bfloat16 each step
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -196,7 +197,8 @@ RANGES = (
 )
 CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "ray", "auto"),
            "run.worker_start": ("forkserver", "spawn"),
-           "run.precision": ("auto", "bf16", "fp32"), "model.recurrent": ("gru", "block_gru"),
+           "run.precision": ("auto", "bf16", "fp32"), "run.state_precision": ("fp32", "bf16"),
+           "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("pipelined", "sweep"),
            "loss.actor_grad": ("reinforce", "backprop"), "loss.continue_target": ("flag", "discounted")}
@@ -207,7 +209,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # use the same), so that evaluating or continuing such a run still validates.
 ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
                "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto",
-               "run.ray_pump": "pipelined"}
+               "run.ray_pump": "pipelined", "run.state_precision": "fp32"}
 
 
 def setting(cfg: DictConfig, key: str):
@@ -365,6 +367,7 @@ def validate(cfg: DictConfig) -> Settings:
         # auto: on CUDA (size200m images: 1.095 x on an H100, BENCHMARKS.md); convolutions only, so vector
         # models are unchanged.
         cudnn_benchmark=_flag(setting(cfg, "run.cudnn_benchmark"), cuda, "run.cudnn_benchmark") and cuda,
+        state_bf16=setting(cfg, "run.state_precision") == "bf16",
     )
 
 
@@ -373,6 +376,8 @@ def describe(settings: Settings) -> str:
     if settings.cudagraph:
         step += " + CUDA graph"
     precision = "bf16" if settings.bf16 else "fp32"
+    if settings.state_bf16:
+        precision += ", state rounded to bf16 each step"
     return f"learner {step}, {precision}; {settings.collect} collection; {settings.topology.describe()}"
 
 

@@ -21,7 +21,7 @@ class Scan:
     """The tapped RSSM of `nets`: its cell, its block GRU, the tapped weights' gradients, imagination."""
 
     def __init__(self, nets: Networks, layout: EnvLayout, size: ModelSize, device: torch.device,
-                 frozen_prior: bool = False):
+                 frozen_prior: bool = False, state_bf16: bool = False):
         self.nets, self.layout, self.size, self.device = nets, layout, size, device
         self.specs = self.tap_specs()
         self.eps = nets.prior.rnn.belief_projection[1].eps
@@ -29,6 +29,11 @@ class Scan:
         # the prior then reads its untapped parameters detached too, so that the actor's loss moves only
         # the actor (the tapped weights are detached casts already).
         self.frozen_prior = frozen_prior
+        # run.state_precision=bf16: the recurrent state rounded to bfloat16 after each step, as the reference
+        # keeps it (its activations are bfloat16); its gradient passes the rounding as the cast's does. A
+        # compiled cell keeps the rounding only with inductor's emulate_precision_casts (the learner sets it),
+        # which otherwise computes a fused down- and up-cast in float32.
+        self.state_bf16 = state_bf16
 
     def tap_specs(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter | None, int]]:
         """(kind, weight, bias, width of the output) of each tapped operation of the scan, in order."""
@@ -107,7 +112,10 @@ class Scan:
         reset = reset.flatten(-2).sigmoid()
         candidate = (reset * candidate.flatten(-2)).tanh()
         update = (update.flatten(-2) - 1.0).sigmoid()
-        return update * candidate + (1 - update) * belief, next(n)
+        belief = update * candidate + (1 - update) * belief
+        if self.state_bf16:
+            belief = belief.to(torch.bfloat16).to(belief.dtype)
+        return belief, next(n)
 
     def cell_fn(self, state, belief, action_features, embed_part, reset, uniform, weights, taps):
         """One RSSM step on the posterior path: h[t] = f(z[t-1], h[t-1], a[t-1]), z[t] ~ q(h[t], e[t]).

@@ -186,7 +186,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
         agent = build_agent(layout, settings.size)
     learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph,
                       settings.bf16, progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True),
-                      fuse_kernels=settings.fuse_kernels)
+                      fuse_kernels=settings.fuse_kernels, state_bf16=settings.state_bf16)
     checkpointer = checkpoint.Checkpointer(run_dir, cfg.run.keep_checkpoints, replay,
                                            progress=lambda line: print(f"dreamer: {line}", flush=True))
     # run.eval_envs at once (no more than an evaluation's episodes), seeded apart from each other

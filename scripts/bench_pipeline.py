@@ -96,7 +96,7 @@ class Pipeline:
             self.agent = build_agent(self.layout, self.size)
         self.learner = Learner(self.agent, self.settings.loss, self.settings.optimizer, self.device,
                                self.settings.compile, self.settings.cudagraph, self.settings.bf16,
-                               fuse_kernels=self.settings.fuse_kernels)
+                               fuse_kernels=self.settings.fuse_kernels, state_bf16=self.settings.state_bf16)
         self.replay = Replay(args.envs, args.replay, args.batch, args.length, self.device, prefetch=args.prefetch)
         self.steps = 0
         self.wait = 0.0  # the trainer thread's seconds waiting for records

@@ -82,6 +82,26 @@ def test_captured_step_replays_match_the_eager_updates(compile, actor_grad):
         assert (a - b).norm() <= 1e-3 * max(1.0, float(a.norm()))
 
 
+def test_the_compiled_captured_step_rounds_the_state_to_bf16_each_step():
+    """run.state_precision=bf16 on CUDA (Triton's kernels, bf16 autocast, a CUDA graph): every posterior
+    belief the captured step returns is a bfloat16 value; without it, not."""
+    device = torch.device("cuda:0")
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    beliefs = {}
+    for state_bf16 in (False, True):
+        torch.manual_seed(0)
+        with torch.device(device):
+            agent = build_agent(VECTOR, size)
+        learner = Learner(agent, _loss(imag_length=4), _optimizer(warmup=0), device, compile=True, cudagraph=True,
+                          bf16=True, state_bf16=state_bf16)
+        batch = _batch(VECTOR, size, 4, 8).to(device)
+        learner.warmup(batch)
+        beliefs[state_bf16] = learner.update(batch)[1].clone()
+    assert all(torch.isfinite(b).all() for b in beliefs.values())
+    assert torch.equal(beliefs[True], beliefs[True].bfloat16().float())
+    assert not torch.equal(beliefs[False], beliefs[False].bfloat16().float())
+
+
 GREY = EnvLayout.from_specs(Composite(pixels=Bounded(0, 255, (1, 32, 32), dtype=torch.uint8)), OneHot(4))
 
 

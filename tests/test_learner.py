@@ -288,6 +288,38 @@ def test_compiled_step_follows_the_eager_updates_on_cpu(fuse_kernels):
     _same_two_updates(compiled, eager, batch, seed=20)
 
 
+def _in_bf16(x: torch.Tensor) -> bool:
+    return bool((x == x.bfloat16().float()).all())
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_state_rounded_to_bf16_is_rounded_at_every_step(compile):
+    """run.state_precision=bf16 (the reference's): each scan and imagination step's recurrent state is a
+    bfloat16 value, compiled too (inductor would fuse the cast pair away); float32 keeps it unrounded, and
+    the compiled rounding step follows the eager one."""
+    agent, batch = _setup(VECTOR)
+    rounded = Learner(agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=compile, state_bf16=True)
+    if compile:
+        assert rounded.warmup(batch) > 0 and rounded._cell.compiled is not None
+    torch.manual_seed(3)
+    _, beliefs = rounded.update(batch.clone())
+    assert beliefs.shape[:2] == (3, 6) and _in_bf16(beliefs)
+    state = torch.nn.functional.one_hot(torch.randint(0, 4, (5, 4)), 4).flatten(-2).float()
+    belief, weights = torch.randn(5, 64), rounded.scan.weights(torch.float32)
+    noise, uniform = rounded.scan.imagination_noise(5), torch.rand(5, 4)
+    assert _in_bf16(rounded._imagine(state, belief, noise, uniform, weights)[1])
+    plain = Learner(_setup(VECTOR)[0], SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu")
+    torch.manual_seed(3)
+    assert not _in_bf16(plain.update(batch.clone())[1])
+    assert not _in_bf16(plain._imagine(state, belief, noise, uniform, plain.scan.weights(torch.float32))[1])
+    if compile:
+        eager = Learner(_setup(VECTOR)[0], SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", state_bf16=True)
+        compiled = Learner(_setup(VECTOR)[0], SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=True,
+                           state_bf16=True)
+        compiled.warmup(batch)
+        _same_two_updates(compiled, eager, batch, seed=20)
+
+
 @pytest.mark.parametrize("length", [1, 7, 64])
 def test_closed_form_lambda_returns_equal_torchrls_recursion(length):
     from torchrl.objectives.value.functional import td_lambda_return_estimate
