@@ -238,9 +238,7 @@ class Learner:
         cudagraph: bool = False,
         bf16: bool = False,
         progress: Callable[[str], None] | None = None,
-        channels_last: bool = False,
-        fuse_kernels: bool = False,
-        state_bf16: bool = False,
+        channels_last: bool = False, fuse_kernels: bool = False, state_bf16: bool = False,
     ):
         self.agent = agent
         self.device = torch.device(device)
@@ -256,12 +254,9 @@ class Learner:
         self.optimizer = LaProp(self.params, optimizer,
                                 *output_groups(nets, self.layout, self.params, optimizer.agc_per_output))
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
-        self.scan = Scan(nets, self.layout, self.size, self.device, frozen_prior=loss.actor_grad == "backprop",
-                         state_bf16=state_bf16)
+        self.scan = Scan(nets, self.layout, self.size, self.device, loss.actor_grad == "backprop", state_bf16)
         fused = FUSED_KERNELS if fuse_kernels else None
-        # run.state_precision=bf16: the steps' rounding of the state (Scan) survives inductor's fusion of the
-        # cast pair only with emulate_precision_casts
-        steps = {**(fused or {}), "emulate_precision_casts": True} if state_bf16 else fused
+        steps = {**(fused or {}), "emulate_precision_casts": True} if state_bf16 else fused  # see Scan
         self._embed = _Compiled(self.scan.embed_fn, self._report, options=fused)
         self._cell = _Compiled(self.scan.cell_fn, self._report, options=steps)
         self._imagine = _Compiled(self.scan.imagine_fn, self._report, options=steps)
