@@ -256,10 +256,9 @@ class Learner:
         self.losses = Losses(nets, self.layout, self.size, loss, self.device)
         self.scan = Scan(nets, self.layout, self.size, self.device, loss.actor_grad == "backprop", state_bf16)
         fused = FUSED_KERNELS if fuse_kernels else None
-        steps = {**(fused or {}), "emulate_precision_casts": True} if state_bf16 else fused  # see Scan
         self._embed = _Compiled(self.scan.embed_fn, self._report, options=fused)
-        self._cell = _Compiled(self.scan.cell_fn, self._report, options=steps)
-        self._imagine = _Compiled(self.scan.imagine_fn, self._report, options=steps)
+        self._cell = _Compiled(self.scan.cell_fn, self._report, options=fused)
+        self._imagine = _Compiled(self.scan.imagine_fn, self._report, options=fused)
         self._tail = _Compiled(self.losses, self._report, name="losses", options=fused)
         self.needs_warmup = compile or cudagraph
         self.updates = 0

@@ -30,9 +30,7 @@ class Scan:
         # the actor (the tapped weights are detached casts already).
         self.frozen_prior = frozen_prior
         # run.state_precision=bf16: the recurrent state rounded to bfloat16 after each step, as the reference
-        # keeps it (its activations are bfloat16); its gradient passes the rounding as the cast's does. A
-        # compiled cell keeps the rounding only with inductor's emulate_precision_casts (the learner sets it),
-        # which otherwise computes a fused down- and up-cast in float32.
+        # keeps it (its activations are bfloat16); see round_bf16.
         self.state_bf16 = state_bf16
 
     def tap_specs(self) -> list[tuple[str, torch.nn.Parameter, torch.nn.Parameter | None, int]]:
@@ -113,9 +111,7 @@ class Scan:
         candidate = (reset * candidate.flatten(-2)).tanh()
         update = (update.flatten(-2) - 1.0).sigmoid()
         belief = update * candidate + (1 - update) * belief
-        if self.state_bf16:
-            belief = belief.to(torch.bfloat16).to(belief.dtype)
-        return belief, next(n)
+        return round_bf16(belief) if self.state_bf16 else belief, next(n)
 
     def cell_fn(self, state, belief, action_features, embed_part, reset, uniform, weights, taps):
         """One RSSM step on the posterior path: h[t] = f(z[t-1], h[t-1], a[t-1]), z[t] ~ q(h[t], e[t]).
@@ -203,6 +199,17 @@ class Scan:
         logits = logits.view(*logits.shape[:-1], self.size.stoch, self.size.classes)
         state = _straight_through_categorical(logits, self.nets.prior.unimix, uniform)
         return state.flatten(-2), belief
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Float32 `x` rounded to the nearest bfloat16 value (ties to even; finite values), still float32, with
+    the gradient passing as through the identity. Rounded on the bits with integer arithmetic: inductor folds
+    a cast to bfloat16 and back into nothing (torch 2.11 on CUDA), but never these."""
+    if x.dtype != torch.float32:
+        return x
+    bits = x.detach().view(torch.int32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+    return x + (rounded - x).detach()  # exactly `rounded`: the difference is exact in float32
 
 
 def _call(module: torch.nn.Module, *inputs):
