@@ -115,7 +115,7 @@ class LossSettings:
     # What the continue head learns (dreamer.losses.Losses): "discounted", the reference's target, the flag
     # "not terminated" times the discount 1 - 1 / horizon, the returns taking the head's prediction as their
     # whole discount; or "flag", torchrl's loss's, the returns then discounting by 1 - 1 / horizon.
-    continue_target: str = "flag"  # the default also for a run folder whose config.yaml predates the setting
+    continue_target: str = "flag"  # for a run folder whose config.yaml predates the setting (configs/: discounted)
 
 
 @dataclass(frozen=True)

@@ -453,6 +453,8 @@ def _leaves(tree, prefix: str = "") -> dict:
 
 # Settings added after runs were made, at the value the code before them had: a run folder whose config.yaml
 # predates one continues at that value, the same experiment.
+# (loss.continue_target's default changed with it: a folder without it continues under the new default only
+# with run.accept_changes=true, or as it was with loss.continue_target=flag.)
 ADDED_SETTINGS = {"loss.two_hot": "symexp", "loss.actor_grad": "reinforce", "optimizer.agc_per_output": False,
                   "loss.continue_target": "flag", "run.state_precision": "fp32"}
 

@@ -235,7 +235,8 @@ def _check_ranges(cfg: DictConfig) -> None:
         if not math.isfinite(value) or not allowed(value):  # inf or nan is never a setting
             raise ConfigError(f"{key} must be {words}, got {value}")
     for key, choices in CHOICES.items():
-        # A key missing from an older run folder's config.yaml takes its first choice, the default.
+        # A key missing from an older run folder's config.yaml takes its first choice: the value before the
+        # setting existed (the default too, but for loss.continue_target, whose default changed with it).
         value = OmegaConf.select(cfg, key, default=choices[0])
         if isinstance(value, bool) != isinstance(choices[0], bool) or value not in choices:
             names = [str(c).lower() if isinstance(c, bool) else c for c in choices]  # as YAML spells them
