@@ -10,6 +10,8 @@
 #                                             # cuDNN's algorithm search
 #   bash scripts/reproduce.sh learner-autotune  # size1m vector, 16 x 64: ours, ours with inductor's combo kernels,
 #                                             # ours with its Triton matmul templates (fewer launches?)
+#   bash scripts/reproduce.sh learner-copt    # size1m vector, 16 x 64 (COPT_MODELS): ours, then ours with
+#                                             # LaProp's step compiled too
 #   bash scripts/reproduce.sh preset-costs    # the learner step at the DMC, Crafter and Atari presets' shapes,
 #                                             # then what each preset's learner costs per 100K frames
 #   bash scripts/reproduce.sh learner-fuse    # size12m and size50m images (FUSE_MODELS): ours, then ours with
@@ -125,6 +127,17 @@ case "${1:-}" in
       [ "$model" = size1m ] && shape=(--batch 16 --length 64 --obs vector)
       $PY scripts/bench_learner.py --device cuda --model "$model" "${shape[@]}" --variant ours,ours_fuse \
         --limit "${FUSE_LIMIT:-140}" --kernel-tables "$OUT" --out "$OUT/learner-fuse-$model.jsonl"
+    done
+    ;;
+  learner-copt)
+    # LaProp's step compiled too (bench_learner's ours_copt): whether inductor fuses the optimizer's list
+    # operations and adaptive clipping's per-tensor multiply into fewer kernels than the eager foreach ones.
+    # COPT_MODELS: the models (default size1m at 16 x 64; size200m at 32 x 256 fits a command of its own).
+    for model in ${COPT_MODELS:-size1m}; do
+      shape=(--batch 32 --length 256 --obs image --cudnn-benchmark)
+      [ "$model" = size1m ] && shape=(--batch 16 --length 64 --obs vector)
+      $PY scripts/bench_learner.py --device cuda --model "$model" "${shape[@]}" --variant ours,ours_copt \
+        --limit "${COPT_LIMIT:-200}" --kernel-tables "$OUT" --out "$OUT/learner-copt-$model.jsonl"
     done
     ;;
   learner-autotune)
