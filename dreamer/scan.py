@@ -202,14 +202,16 @@ class Scan:
 
 
 def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Float32 `x` rounded to the nearest bfloat16 value (ties to even; finite values), still float32, with
-    the gradient passing as through the identity. Rounded on the bits with integer arithmetic: inductor folds
-    a cast to bfloat16 and back into nothing (torch 2.11 on CUDA), but never these."""
+    """Float32 `x` rounded to the nearest bfloat16 value (ties to even), still float32, with the gradient
+    passing as through the identity; infinities and NaN stay as they are. Rounded on the bits with integer
+    arithmetic: inductor folds a cast to bfloat16 and back into nothing (torch 2.11 on CUDA), but never these."""
     if x.dtype != torch.float32:
         return x
     bits = x.detach().view(torch.int32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
-    return x + (rounded - x).detach()  # exactly `rounded`: the difference is exact in float32
+    # x + (rounded - x) is exactly `rounded` for a finite x (the difference is exact in float32); a NaN's bits
+    # could carry into another value, and inf - inf is NaN: those keep x.
+    return torch.where(x.isfinite(), x + (rounded - x).detach(), x)
 
 
 def _call(module: torch.nn.Module, *inputs):

@@ -294,13 +294,16 @@ def _in_bf16(x: torch.Tensor) -> bool:
 
 
 def test_rounding_on_the_bits_is_the_cast_to_bf16_with_an_identity_gradient():
-    """round_bf16 (run.state_precision=bf16) equals a cast to bfloat16 and back, halfway values (ties to even)
-    included, compiled too, and passes the gradient unchanged."""
+    """round_bf16 (run.state_precision=bf16) equals a cast to bfloat16 and back, halfway values (ties to even),
+    infinities and NaN included, compiled too, and passes the gradient unchanged."""
     torch.manual_seed(0)
     values = torch.randn(100_000) * torch.logspace(-6, 2, 100_000)
     ties = (torch.randn(1000).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
-    for x in (values, ties, torch.tensor([0.0, -0.0, 1.0, -1.0, 0.99999994, 1e-40])):
+    for x in (values, ties, torch.tensor([0.0, -0.0, 1.0, -1.0, 0.99999994, 1e-40, 3.4e38, -float("inf")])):
         assert torch.equal(round_bf16(x), x.bfloat16().float())
+    nans = torch.tensor([float("nan"), -float("nan")])
+    nans[1:] = (torch.tensor([-1], dtype=torch.int32)).view(torch.float32)  # all bits set: a carry would wrap
+    assert round_bf16(nans).isnan().all()
     assert torch.equal(torch.compile(round_bf16)(values), values.bfloat16().float())
     x = torch.randn(5, requires_grad=True)
     (round_bf16(x) * torch.arange(5.0)).sum().backward()
@@ -310,8 +313,8 @@ def test_rounding_on_the_bits_is_the_cast_to_bf16_with_an_identity_gradient():
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_a_state_rounded_to_bf16_is_rounded_at_every_step(compile):
     """run.state_precision=bf16 (the reference's): each scan and imagination step's recurrent state is a
-    bfloat16 value, compiled too; float32 keeps it unrounded, and
-    the compiled rounding step follows the eager one."""
+    bfloat16 value, compiled too; float32 keeps it unrounded, and the compiled rounding step follows the
+    eager one."""
     agent, batch = _setup(VECTOR)
     rounded = Learner(agent, SETTINGS, _optimizer(lr=1e-3, warmup=0), "cpu", compile=compile, state_bf16=True)
     if compile:
