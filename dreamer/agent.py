@@ -78,6 +78,9 @@ class ModelSize:
     bins: int
     mults: tuple[int, ...]
     kernel: int
+    # model.cnn_full_res: the encoder's first convolution and the decoder's last unstrided, at the image's full
+    # resolution (the reference's CNNs when it made its published curves, with mults 1, 2, 3, 4, 4)
+    cnn_full_res: bool = False
 
     @property
     def latent(self) -> int:
@@ -173,10 +176,15 @@ class Encoder(nn.Module):
         self.cnn = None
         self.out_features = size.units if self.mlp is not None else 0
         if layout.image_shape is not None:
+            _check_image_size(layout.image_shape, size)
             self.cnn = DreamerV3ImageEncoder(
                 layout.image_shape[0], depth=size.depth, mults=tuple(size.mults), kernel_size=size.kernel
             )
-            self.out_features += self.cnn.output_features(layout.image_shape)
+            channels, height, width = layout.image_shape
+            if size.cnn_full_res:  # the first convolution unstrided; its padding (kernel // 2) keeps the size
+                self.cnn.layers[0].stride = (1, 1)
+                height, width = 2 * height, 2 * width  # as if one strided stage more had halved the image
+            self.out_features += self.cnn.output_features((channels, height, width))
 
     def forward(self, *observations: torch.Tensor) -> torch.Tensor:
         # Argument order: the vector keys, then the image (when present).
@@ -203,19 +211,40 @@ class VectorDecoder(nn.Module):
 class ImageDecoder(nn.Module):
     def __init__(self, layout: EnvLayout, size: ModelSize):
         super().__init__()
-        self.net = DreamerV3ImageDecoder(
+        channels, height, width = layout.image_shape
+        _check_image_size(layout.image_shape, size)
+        scale = 2 if size.cnn_full_res else 1  # full resolution: the stages sized for an image twice as large,
+        self.net = DreamerV3ImageDecoder(       # the last one unstrided
             size.feature,
-            image_shape=layout.image_shape,
+            image_shape=(channels, scale * height, scale * width),
             depth=size.depth,
             mults=tuple(size.mults),
             kernel_size=size.kernel,
             num_blocks=size.blocks,
         )
+        if size.cnn_full_res:
+            self.net.layers[-1].stride, self.net.layers[-1].output_padding = (1, 1), (0, 0)
         if layout.image_shape[0] == 1:
             self.net.layers[-1].register_forward_pre_hook(_contiguous_input)
 
     def forward(self, state: torch.Tensor, belief: torch.Tensor) -> torch.Tensor:
         return self.net(state, belief).float()
+
+
+def image_size_problem(image_shape: tuple[int, int, int], size: ModelSize) -> str | None:
+    """What is wrong with an image of `image_shape` (C, H, W) for the CNNs of `size`, in one line; None if fine."""
+    strided = len(size.mults) - size.cnn_full_res
+    factor = 2 ** strided
+    if image_shape[1] % factor or image_shape[2] % factor:
+        return (f"the image's height and width {tuple(image_shape[1:])} must be divisible by {factor}: the CNNs "
+                f"have {strided} strided stages (model.mults={list(size.mults)}, model.cnn_full_res="
+                f"{str(size.cnn_full_res).lower()}); use fewer multipliers or another env.size")
+    return None
+
+
+def _check_image_size(image_shape: tuple[int, int, int], size: ModelSize) -> None:
+    if problem := image_size_problem(image_shape, size):
+        raise ValueError(problem)
 
 
 def _contiguous_input(layer: nn.Module, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:

@@ -201,7 +201,8 @@ CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inli
            "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("pipelined", "sweep"),
-           "loss.actor_grad": ("reinforce", "backprop"), "loss.continue_target": ("flag", "discounted")}
+           "loss.actor_grad": ("reinforce", "backprop"), "loss.continue_target": ("flag", "discounted"),
+           "model.cnn_full_res": (False, True)}
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchrl.trainers.algorithms import DreamerV3UpdateRatio
 
 from dreamer import checkpoint
-from dreamer.agent import EnvLayout, build_agent
+from dreamer.agent import EnvLayout, build_agent, image_size_problem
 from dreamer.collect import CollectionError
 from dreamer.config import (ConfigError, check_composes, check_overrides, compose_config, describe, set_cudnn,
                             set_threads, validate)
@@ -180,6 +180,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
               "through the symexp two-hot these are sums of terms up to 4.9e8 that cancel, and near initialization "
               "their gradient is mostly rounding: loss.two_hot=symlog (the earlier agent's heads) is its pairing",
               flush=True)
+    if layout.image_shape is not None and (problem := image_size_problem(layout.image_shape, settings.size)):
+        raise ConfigError(problem)
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     set_cudnn(settings)  # before the warm-up's first convolutions
     with torch.device(device):  # every parameter and buffer is created where it is used
@@ -228,7 +230,8 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     preset = _preset()
     print(f"dreamer: {f'preset {preset}: ' if preset else ''}{cfg.env.suite} {cfg.env.task}, {cfg.run.envs} envs: "
           f"{layout.describe()}; model "
-          f"{cfg.model.name}, {agent.networks.parameter_count():,} parameters", flush=True)
+          f"{cfg.model.name}{' (CNNs from full resolution)' if settings.size.cnn_full_res and layout.image_shape else ''}, "
+          f"{agent.networks.parameter_count():,} parameters", flush=True)
 
     with_videos = bool(cfg.run.eval_video and layout.image_shape is not None and cfg.run.eval_episodes)
     if with_videos and (missing := missing_video_support()):  # found now, not at the first evaluation

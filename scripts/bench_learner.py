@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,8 +59,10 @@ def _layout(obs: str, obs_dim: int, actions: int, image: tuple[int, int, int] = 
     return EnvLayout.from_specs(spec, OneHot(actions))
 
 
-def _size(name: str) -> ModelSize:
-    return reference_settings(name)[0]
+def _size(name: str, full_res: bool = False) -> ModelSize:
+    """A model size of configs/; `full_res`: model.cnn_full_res with a multiplier 1 first (the stride-1 stage)."""
+    size = reference_settings(name)[0]
+    return replace(size, cnn_full_res=True, mults=(1, *size.mults)) if full_res else size
 
 
 def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int, device) -> TensorDict:
@@ -144,13 +147,14 @@ def run_single(args) -> dict:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.manual_seed(0)
     layout = _layout(args.obs, args.obs_dim, args.actions, args.image)
-    size = _size(args.model)
+    size = _size(args.model, args.cnn_full_res)
     _, loss_settings, optimizer_settings = reference_settings(args.model)
     with torch.device(device):
         agent = build_agent(layout, size)
     batch = _batch(layout, size, args.batch, args.length, device)
     result = {"variant": args.single, "model": args.model, "obs": args.obs,
-              **({"image": list(args.image)} if args.obs == "image" else {}), "batch": args.batch,
+              **({"image": list(args.image), "cnn_full_res": args.cnn_full_res} if args.obs == "image" else {}),
+              "batch": args.batch,
               "length": args.length, "cudnn_benchmark": args.cudnn_benchmark,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "parameters": agent.networks.parameter_count()}
@@ -257,6 +261,9 @@ def main() -> None:
     parser.add_argument("--actions", type=int, default=6)
     parser.add_argument("--image", type=_image_shape, default=(3, 64, 64), metavar="C,H,W",
                         help="the image observation's shape with --obs image (default 3,64,64; Atari: 1,96,96)")
+    parser.add_argument("--cnn-full-res", action="store_true",
+                        help="with --obs image: model.cnn_full_res, the model's multipliers after a 1 (size12m: "
+                             "1,2,3,4,4, the reference's CNNs at 2411f7d)")
     parser.add_argument("--variant", default="both",
                         help="ours | ours_cl | ours_autotune | ours_fuse | ours_copt | ours_graph | torchrl | torchrl_step | "
                              "torchrl_scan | both (default) | all, or a comma-separated list of variants")

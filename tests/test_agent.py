@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import Bounded, Composite, OneHot, Unbounded
 
-from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent, build_networks
+from dreamer.agent import EnvLayout, LossSettings, ModelSize, build_agent, build_networks, image_size_problem
 from dreamer.config import reference_settings
 from dreamer.learner import Learner
 from dreamer.optim import OptimizerSettings
@@ -78,10 +78,56 @@ def _batch(layout: EnvLayout, size: ModelSize, batch: int, length: int) -> Tenso
                        "action": action.float(), "is_init": is_init, "next": nxt}, [batch, length])
 
 
-@pytest.mark.parametrize("layout", [VECTOR, IMAGE], ids=["vector", "image"])
-def test_one_update_has_finite_losses_and_changes_parameters(layout):
+FULL_RES = dict(mults=(1, 2, 3, 4, 4), cnn_full_res=True)  # the reference's CNNs at 2411f7d
+
+
+def _maps(convs: list[torch.nn.Module], run) -> list[tuple[int, ...]]:
+    """(channels, height, width) of each of `convs`' outputs while `run()` runs."""
+    shapes = []
+    hooks = [conv.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[-3:]))) for conv in convs]
+    run()
+    for hook in hooks:
+        hook.remove()
+    return shapes
+
+
+def test_full_resolution_cnns_are_the_reference_curves_layout():
+    """model.cnn_full_res with mults (1, 2, 3, 4, 4), size12m's depth 16: the encoder's first convolution keeps
+    64 x 64 and four strided ones reach 4 x 4 (the reference's encoder at 2411f7d); the decoder mirrors it, its
+    last transposed convolution unstrided at 64 x 64. Without the setting, four strided stages each way."""
+    for full_res, mults, encoder_maps, decoder_maps in [
+        (True, (1, 2, 3, 4, 4), [(16, 64, 64), (32, 32, 32), (48, 16, 16), (64, 8, 8), (64, 4, 4)],
+         [(64, 8, 8), (48, 16, 16), (32, 32, 32), (16, 64, 64), (3, 64, 64)]),
+        (False, (2, 3, 4, 4), [(32, 32, 32), (48, 16, 16), (64, 8, 8), (64, 4, 4)],
+         [(64, 8, 8), (48, 16, 16), (32, 32, 32), (3, 64, 64)]),
+    ]:
+        size = _size("size12m", mults=mults, cnn_full_res=full_res)
+        nets = build_networks(IMAGE, size)
+        cnn, decoder = nets.encoder.cnn, nets.image_decoder.net
+        convs = [m for m in cnn.layers if isinstance(m, torch.nn.Conv2d)]
+        image = torch.randint(0, 256, (2, *IMAGE.image_shape), dtype=torch.uint8)
+        embed = []
+        assert _maps(convs, lambda: embed.append(nets.encoder(image))) == encoder_maps
+        assert embed[0].shape == (2, nets.encoder.out_features) == (2, 64 * 4 * 4)
+        transposed = [m for m in decoder.layers if isinstance(m, torch.nn.ConvTranspose2d)]
+        out = []
+        assert _maps(transposed, lambda: out.append(nets.image_decoder(torch.randn(2, size.latent),
+                                                                       torch.randn(2, size.deter)))) == decoder_maps
+        assert out[0].shape == (2, *IMAGE.image_shape)
+    assert image_size_problem((3, 64, 64), _size("size12m", mults=(1, 2, 3, 4, 4), cnn_full_res=True)) is None
+    problem = image_size_problem((3, 72, 72), _size("size12m", **FULL_RES))
+    assert problem.startswith("the image's height and width (72, 72) must be divisible by 16: the CNNs have 4 strided")
+    assert image_size_problem((3, 72, 72), _size("size12m", mults=(3, 4, 4))) is None  # 3 strided: 72 / 8
+    wide = EnvLayout.from_specs(Composite(pixels=Bounded(0, 255, (3, 72, 72), dtype=torch.uint8)), OneHot(3))
+    with pytest.raises(ValueError, match="must be divisible by 16"):
+        build_networks(wide, _size("size12m", **FULL_RES))
+
+
+@pytest.mark.parametrize("layout, cnn", [(VECTOR, {}), (IMAGE, {}), (IMAGE, FULL_RES)],
+                         ids=["vector", "image", "image-full-res"])
+def test_one_update_has_finite_losses_and_changes_parameters(layout, cnn):
     torch.manual_seed(0)
-    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4)
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, depth=2, blocks=4, **cnn)
     agent = build_agent(layout, size)
     learner = Learner(agent, _loss(imag_length=4), _optimizer(lr=1e-3, warmup=0), "cpu")
     before = [p.detach().clone() for p in learner.params]

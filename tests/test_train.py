@@ -154,6 +154,8 @@ def test_an_evaluation_cut_short_by_a_stop_runs_again_when_the_run_resumes(workd
         (["batch_size=abc"], "batch_size must be an integer, got 'abc'"),
         (["run.nope=3"], "'run.nope' is not a setting; did you mean run.name"),
         (["+optimiser.lr=1"], "'optimiser.lr' is not a setting; did you mean optimizer.lr"),
+        (["env=emulated", "env.step_latency=0", "env.size=[72,72]", "model.mults=[1,2,3,4,4]", "model.cnn_full_res=true"],
+         "the image's height and width (72, 72) must be divisible by 16: the CNNs have 4 strided stages"),
     ],
 )
 def test_bad_input_gets_one_line_and_a_nonzero_exit(workdir, args, message):
