@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +209,31 @@ def test_bad_settings():
         make_env(config(obs="rgb"), seed=0)
     with pytest.raises(EnvConfigError, match="cameras"):
         make_env(config(obs="pixels", camera=9), seed=0)
+
+
+def test_a_renderer_that_cannot_start_is_one_line(tmp_path):
+    """Where libEGL.so.1 is missing, PyOpenGL's EGL platform fails inside dm_control's import with an
+    AttributeError on a None library. That failure is faked here (an import hook raises it for dm_control,
+    in a fresh interpreter), as this machine has the library; the check is the line the user gets."""
+    script = (
+        "import sys\n"
+        "from omegaconf import OmegaConf\n"
+        "from dreamer.envs import EnvConfigError, check_task\n"  # torchrl, imported first, looks for dm_control
+        "class NoEGL:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'dm_control' or name.startswith('dm_control.'):\n"
+        "            raise AttributeError(\"'NoneType' object has no attribute 'eglQueryString'\")\n"
+        "sys.meta_path.insert(0, NoEGL())\n"
+        "try:\n"
+        "    check_task(OmegaConf.create({'suite': 'dmc', 'task': 'walker_walk'}))\n"
+        "except EnvConfigError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "MUJOCO_GL": "egl"},
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == (
+        "dm_control cannot start MuJoCo's egl renderer ('NoneType' object has no attribute 'eglQueryString'): "
+        "install its library (EGL: libEGL.so.1, Debian/Ubuntu package libegl1; the Docker image has it), or, "
+        "for proprioceptive tasks, which render nothing, set MUJOCO_GL=disabled")

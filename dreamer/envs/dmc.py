@@ -40,9 +40,26 @@ DEFAULT_CAMERAS = {"quadruped": 2}
 _MAX_RESCALED_BOUND = 1e6
 
 
+def _suite():
+    """dm_control's suite module; a renderer that cannot start (no libEGL under MUJOCO_GL=egl) is one line."""
+    from . import EnvConfigError
+
+    try:
+        from dm_control import suite
+    except (AttributeError, ImportError, OSError) as error:  # PyOpenGL without libEGL: 'NoneType' ... 'eglQueryString'
+        backend = os.environ.get("MUJOCO_GL", "")
+        if backend in ("", "disabled") or isinstance(error, ModuleNotFoundError):
+            raise
+        raise EnvConfigError(
+            f"dm_control cannot start MuJoCo's {backend} renderer ({str(error).splitlines()[0]}): install its "
+            f"library (EGL: libEGL.so.1, Debian/Ubuntu package libegl1; the Docker image has it), or, for "
+            f"proprioceptive tasks, which render nothing, set MUJOCO_GL=disabled") from None
+    return suite
+
+
 def _tasks() -> dict[str, tuple[str, str]]:
     """`domain_task` name -> (dm_control domain, task), aliases included."""
-    from dm_control import suite
+    suite = _suite()
 
     names = {f"{domain}_{task}": (domain, task) for domain, task in suite.ALL_TASKS}
     for alias, domain in DMC_DOMAIN_ALIASES.items():
