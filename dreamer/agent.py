@@ -333,11 +333,15 @@ class ActingPolicy(TensorDictModuleBase):
     every parameter with the trained world model and actor.
     """
 
-    def __init__(self, encoder: TensorDictModule, estimator: RSSMStateEstimatorV3, actor: TensorDictModuleBase):
+    def __init__(self, encoder: TensorDictModule, estimator: RSSMStateEstimatorV3, actor: TensorDictModuleBase,
+                 bf16: bool = False):
         super().__init__()
         self.encoder = encoder
         self.estimator = estimator
         self.actor = actor
+        # run.acting_precision=bf16: every product under bfloat16 autocast and the carry (state, belief) rounded
+        # to bfloat16 after each step, as the reference acts; the answer goes out as float32
+        self.bf16 = bf16
         self.in_keys = [*encoder.in_keys, "state", "belief", "action", "is_init"]
         self.out_keys = [("policy", "state"), ("policy", "belief"), ("policy", "action")]
 
@@ -345,11 +349,19 @@ class ActingPolicy(TensorDictModuleBase):
     def forward(self, record: TensorDictBase) -> TensorDictBase:
         work = record.select(*self.in_keys, strict=True).copy()
         work.rename_key_("action", "previous_action")
-        self.encoder(work)
-        work.set("encoded_latents", work.get(("next", "encoded_latents")))
-        self.estimator(work)
-        self.actor(work)
-        record.set("policy", work.select("state", "belief", "action"))
+        # cache_enabled=False: no cast of a weight outlives the call (the server replays the call as a CUDA graph)
+        device = next(self.actor.parameters()).device.type  # where the policy computes
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
+            self.encoder(work)
+            work.set("encoded_latents", work.get(("next", "encoded_latents")))
+            self.estimator(work)
+            self.actor(work)
+        answer = work.select("state", "belief", "action")
+        if self.bf16:  # eager, so the cast pair rounds (a compiler could fold it away)
+            answer.update({key: answer.get(key).to(torch.bfloat16).float() for key in ("state", "belief")})
+            answer.set("action", answer.get("action").float() if answer.get("action").is_floating_point()
+                       else answer.get("action"))
+        record.set("policy", answer)
         return record
 
 
@@ -397,7 +409,7 @@ class Networks:
         return sum(p.numel() for p in self.trained.parameters())
 
 
-def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
+def build_networks(layout: EnvLayout, size: ModelSize, acting_bf16: bool = False) -> Networks:
     """Builds the networks on the current default device (meta works, for counting), in float32."""
     features = [("next", "state"), ("next", "belief")]
 
@@ -510,7 +522,7 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
         _module(SymExpTwoHot(size.bins), ["state_value_logits"], ["state_value"]),
     )
     acting_encoder = _module(encoder, _observation_keys(layout, ("next",)), [("next", "encoded_latents")])
-    policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor)
+    policy = ActingPolicy(acting_encoder, RSSMStateEstimatorV3(prior, posterior), actor, bf16=acting_bf16)
     trained = {"encoder": encoder, "prior": prior, "posterior": posterior, "vector_decoder": vector_decoder,
                "image_decoder": image_decoder, "reward_head": reward_net, "continue_head": continue_net,
                "actor": actor_net, "critic_head": critic_head}
@@ -520,9 +532,10 @@ def build_networks(layout: EnvLayout, size: ModelSize) -> Networks:
                     actor_net, trained)
 
 
-def build_agent(layout: EnvLayout, size: ModelSize) -> Agent:
-    """Builds the agent's networks on the current default device, in float32."""
-    return Agent(layout, size, build_networks(layout, size))
+def build_agent(layout: EnvLayout, size: ModelSize, acting_bf16: bool = False) -> Agent:
+    """Builds the agent's networks on the current default device, in float32; `acting_bf16`: the acting
+    policy computes under bfloat16 autocast (run.acting_precision=bf16)."""
+    return Agent(layout, size, build_networks(layout, size, acting_bf16))
 
 
 def torchrl_loss(agent: Agent, loss: LossSettings) -> tuple[DreamerV3Loss, SoftUpdate]:

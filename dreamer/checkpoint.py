@@ -456,7 +456,8 @@ def _leaves(tree, prefix: str = "") -> dict:
 # (loss.continue_target's default changed with it: a folder without it continues under the new default only
 # with run.accept_changes=true, or as it was with loss.continue_target=flag.)
 ADDED_SETTINGS = {"loss.two_hot": "symexp", "loss.actor_grad": "reinforce", "optimizer.agc_per_output": False,
-                  "loss.continue_target": "flag", "run.state_precision": "fp32", "model.cnn_full_res": False}
+                  "loss.continue_target": "flag", "run.state_precision": "fp32", "model.cnn_full_res": False,
+                  "run.acting_precision": "fp32"}
 
 
 def experiment_changes(old: dict, new: dict) -> list[str]:

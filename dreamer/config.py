@@ -124,6 +124,7 @@ class Settings:
     fuse_kernels: bool = False  # run.fuse_kernels: the compiled learner's pieces with inductor's combo kernels
     cudnn_benchmark: bool = False  # run.cudnn_benchmark: cuDNN times its convolution algorithms per shape
     state_bf16: bool = False  # run.state_precision=bf16: the learner rounds its recurrent state to bfloat16 each step
+    acting_bf16: bool = False  # run.acting_precision=bf16: the acting policy under bfloat16 autocast
 
 
 def _flag(value, default: bool, name: str) -> bool:
@@ -198,6 +199,7 @@ RANGES = (
 CHOICES = {"run.inference": ("auto", "thread", "process"), "run.collect": ("inline", "workers", "ray", "auto"),
            "run.worker_start": ("forkserver", "spawn"),
            "run.precision": ("auto", "bf16", "fp32"), "run.state_precision": ("fp32", "bf16"),
+           "run.acting_precision": ("fp32", "bf16"),
            "model.recurrent": ("gru", "block_gru"),
            "replay.storage": ("memory", "disk"), "run.accept_changes": (False, True), "replay.context": (False, True),
            "replay.online": (False, True), "loss.two_hot": ("symexp", "symlog"), "run.ray_pump": ("pipelined", "sweep"),
@@ -210,7 +212,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # use the same), so that evaluating or continuing such a run still validates.
 ADDED_LATER = {"run.inference_threads": 1, "run.eval_envs": 1, "run.ray_address": None, "run.ray_env_cpus": 1,
                "run.ray_env_memory_gb": 0, "run.ray_envs_per_pump": 32, "run.cudnn_benchmark": "auto",
-               "run.ray_pump": "pipelined", "run.state_precision": "fp32"}
+               "run.ray_pump": "pipelined", "run.state_precision": "fp32", "run.acting_precision": "fp32"}
 
 
 def setting(cfg: DictConfig, key: str):
@@ -370,6 +372,7 @@ def validate(cfg: DictConfig) -> Settings:
         # models are unchanged.
         cudnn_benchmark=_flag(setting(cfg, "run.cudnn_benchmark"), cuda, "run.cudnn_benchmark") and cuda,
         state_bf16=setting(cfg, "run.state_precision") == "bf16",
+        acting_bf16=setting(cfg, "run.acting_precision") == "bf16",
     )
 
 
@@ -380,6 +383,8 @@ def describe(settings: Settings) -> str:
     precision = "bf16" if settings.bf16 else "fp32"
     if settings.state_bf16:
         precision += ", state rounded to bf16 each step"
+    if settings.acting_bf16:
+        precision += ", acting in bf16"
     return f"learner {step}, {precision}; {settings.collect} collection; {settings.topology.describe()}"
 
 

@@ -209,7 +209,7 @@ def load_run(run_dir: Path, checkpoint_path: Path | None, seed_offset: int, devi
     env = make_env(cfg.env, cfg.seed + seed_offset)
     layout = EnvLayout.from_specs(env.observation_spec, env.action_spec)
     with torch.device(device or settings.topology.learner):
-        agent = build_agent(layout, settings.size)
+        agent = build_agent(layout, settings.size, settings.acting_bf16)
     try:
         load_weights(agent, settings.loss, state, path, config)
     except checkpoint.CheckpointError as error:

@@ -185,7 +185,7 @@ def _train(cfg: DictConfig, run_dir: Path) -> None:
     replay = make_replay(cfg, layout, settings, run_dir)  # checks its memory first: before the model is built
     set_cudnn(settings)  # before the warm-up's first convolutions
     with torch.device(device):  # every parameter and buffer is created where it is used
-        agent = build_agent(layout, settings.size)
+        agent = build_agent(layout, settings.size, settings.acting_bf16)
     learner = Learner(agent, settings.loss, settings.optimizer, device, settings.compile, settings.cudagraph,
                       settings.bf16, progress=lambda line: print(f"dreamer: warm-up: {line}", flush=True),
                       fuse_kernels=settings.fuse_kernels, state_bf16=settings.state_bf16)

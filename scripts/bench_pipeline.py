@@ -93,7 +93,7 @@ class Pipeline:
         self.size = self.settings.size
         torch.manual_seed(0)
         with torch.device(self.device):
-            self.agent = build_agent(self.layout, self.size)
+            self.agent = build_agent(self.layout, self.size, self.settings.acting_bf16)
         self.learner = Learner(self.agent, self.settings.loss, self.settings.optimizer, self.device,
                                self.settings.compile, self.settings.cudagraph, self.settings.bf16,
                                fuse_kernels=self.settings.fuse_kernels, state_bf16=self.settings.state_bf16)

@@ -49,7 +49,7 @@ def main() -> None:
     env.close()
     device = torch.device("cuda")
     with torch.device(device):
-        policy = build_agent(layout, settings.size).policy.eval().requires_grad_(False)
+        policy = build_agent(layout, settings.size, settings.acting_bf16).policy.eval().requires_grad_(False)
     stream = torch.cuda.Stream(device)
     for precision in args.precisions.split(","):
         for batch in (int(b) for b in args.batches.split(",")):

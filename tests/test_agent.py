@@ -160,6 +160,35 @@ def test_acting_policy_resets_the_carry_on_is_init():
     assert out.get("action").shape == (2, 2) and torch.all(out.get("action").sum(-1) == 1)
 
 
+def test_bf16_acting_computes_in_bfloat16_and_rounds_the_carry():
+    """run.acting_precision=bf16 (the reference acts in bfloat16): the products under bfloat16 autocast, the
+    carry rounded to bfloat16, every answer float32; the float32 policy on the same weights differs."""
+    from tensordict.nn import InteractionType, set_interaction_type
+
+    from dreamer.agent import record_zeros
+
+    torch.manual_seed(0)
+    layout = EnvLayout.from_specs(Composite(observation=Unbounded(5)), Bounded(-1, 1, (2,)))
+    size = _size("size1m", deter=64, hidden=16, classes=4, stoch=4, units=16, blocks=4)
+    fp32, bf16 = build_agent(layout, size), build_agent(layout, size, acting_bf16=True)
+    bf16.networks.trained.load_state_dict(fp32.networks.trained.state_dict())
+    record = record_zeros(layout, size).expand(6).clone()
+    record["next", "observation"] = torch.randn(6, 5)
+    record["belief"] = torch.randn(6, size.deter)
+    record["action"] = torch.rand(6, 2) * 2 - 1
+    with set_interaction_type(InteractionType.DETERMINISTIC):
+        wide = fp32.policy(record.clone()).get("policy")
+        narrow = bf16.policy(record.clone()).get("policy")
+    assert all(narrow.get(key).dtype == torch.float32 for key in ("state", "belief", "action"))
+    belief = narrow.get("belief")
+    assert torch.equal(belief, belief.to(torch.bfloat16).float())  # rounded
+    assert not torch.equal(wide.get("belief"), wide.get("belief").to(torch.bfloat16).float())
+    # The products themselves in bfloat16: not only the float32 answer rounded afterwards.
+    assert not torch.equal(belief, wide.get("belief").to(torch.bfloat16).float())
+    torch.testing.assert_close(belief, wide.get("belief"), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(narrow.get("action"), wide.get("action"), atol=0.05, rtol=0.05)
+
+
 @pytest.mark.parametrize("layout", [VECTOR, IMAGE], ids=["vector", "image"])
 def test_the_trained_networks_hold_every_parameter_of_the_agent_once(layout):
     """`Networks.trained` is what the learner optimizes and checkpoints: the world model's, the actor's and

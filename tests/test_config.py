@@ -127,6 +127,7 @@ def test_zero_stays_valid_where_it_means_never_or_none(key):
     ("loss.actor_grad", "dynamics", "loss.actor_grad must be reinforce or backprop, got 'dynamics'"),
     ("run.state_precision", "bfloat16", "run.state_precision must be fp32 or bf16, got 'bfloat16'"),
     ("model.cnn_full_res", "yes", "model.cnn_full_res must be false or true, got 'yes'"),
+    ("run.acting_precision", "half", "run.acting_precision must be fp32 or bf16, got 'half'"),
     ("run.fuse_kernels", "yes", "run.fuse_kernels must be auto, true or false, got 'yes'"),
     ("run.cudnn_benchmark", "fast", "run.cudnn_benchmark must be auto, true or false, got 'fast'"),
 ])
