@@ -168,6 +168,28 @@ def test_cuda_batches_through_the_pinned_staging_ring_are_the_sampled_records(pr
     replay.close()
 
 
+def test_the_cuda_graph_inference_server_acts_in_bf16_when_asked():
+    """run.acting_precision=bf16 through the served CUDA graph (the policy's autocast captured with it): the
+    answer's belief is a bfloat16 value and the eager bf16 policy's, up to one bfloat16 step."""
+    from tests.test_pipeline import SIZE, _agent, _request
+
+    from dreamer.inference import Inference
+
+    layout, agent = _agent()
+    device = torch.device("cuda:0")
+    agent.networks.policy.to(device)
+    agent.policy.bf16 = True  # as build_agent(..., acting_bf16=True) sets it
+    inference = Inference(agent.policy, layout, SIZE, clients=9, device=device, explore=True).start()
+    try:
+        request = _request(layout, 3)
+        belief = inference.clients[0](request).get(("policy", "belief"))
+        assert belief.dtype == torch.float32 and torch.equal(belief, belief.to(torch.bfloat16).float())
+        direct = agent.policy(request.unsqueeze(0).to(device)).get(("policy", "belief"))[0].cpu()
+        torch.testing.assert_close(belief, direct, rtol=8e-3, atol=8e-3)
+    finally:
+        inference.close()
+
+
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 def test_the_cuda_graph_inference_server_follows_the_policy_and_its_weight_syncs(process):
     """The served step is a CUDA graph on its own stream; the deterministic part (the belief) must match
