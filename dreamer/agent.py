@@ -349,20 +349,27 @@ class ActingPolicy(TensorDictModuleBase):
     def forward(self, record: TensorDictBase) -> TensorDictBase:
         work = record.select(*self.in_keys, strict=True).copy()
         work.rename_key_("action", "previous_action")
+        if not self.bf16:  # the default: nothing added to the acting step
+            self._act(work)
+            record.set("policy", work.select("state", "belief", "action"))
+            return record
         # cache_enabled=False: no cast of a weight outlives the call (the server replays the call as a CUDA graph)
         device = next(self.actor.parameters()).device.type  # where the policy computes
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=self.bf16, cache_enabled=False):
-            self.encoder(work)
-            work.set("encoded_latents", work.get(("next", "encoded_latents")))
-            self.estimator(work)
-            self.actor(work)
+        with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
+            self._act(work)
         answer = work.select("state", "belief", "action")
-        if self.bf16:  # eager, so the cast pair rounds (a compiler could fold it away)
-            answer.update({key: answer.get(key).to(torch.bfloat16).float() for key in ("state", "belief")})
-            answer.set("action", answer.get("action").float() if answer.get("action").is_floating_point()
-                       else answer.get("action"))
+        # eager, so the cast pair rounds (a compiler could fold it away)
+        answer.update({key: answer.get(key).to(torch.bfloat16).float() for key in ("state", "belief")})
+        if answer.get("action").is_floating_point():
+            answer.set("action", answer.get("action").float())
         record.set("policy", answer)
         return record
+
+    def _act(self, work: TensorDictBase) -> None:
+        self.encoder(work)
+        work.set("encoded_latents", work.get(("next", "encoded_latents")))
+        self.estimator(work)
+        self.actor(work)
 
 
 @dataclass
